@@ -1,0 +1,109 @@
+"""Choosing the stage boundaries: profile each layer, then split so the costliest stage is cheapest."""
+from __future__ import annotations
+
+import copy
+import statistics
+import time
+from typing import Callable, Sequence
+
+import torch
+from torch import nn
+
+from .memory import ActivationLedger
+from .microbatch import Value, as_leaves, detached, tensors_of
+from .partition import check_module
+
+
+def balance_by_time(partitions: int, module: nn.Sequential, sample: Value, repeat: int = 3) -> list[int]:
+    """Layers per stage that even out forward+backward time, measured on `sample` (a micro-batch).
+
+    Each layer runs on a copy of itself (the model's weights, running statistics and the global
+    random state are left alone), `repeat` times after one warm-up; its median time is its cost.
+    """
+    return solve(layer_times(module, sample, repeat), partitions)
+
+
+def balance_by_size(partitions: int, module: nn.Sequential, sample: Value, param_scale: float = 2.0) -> list[int]:
+    """Layers per stage that even out memory: activations saved for backward, measured on `sample`,
+    plus `param_scale` times the parameter bytes (2 = weights and their gradients)."""
+    return solve(layer_sizes(module, sample, param_scale), partitions)
+
+
+def solve(costs: Sequence[float], partitions: int) -> list[int]:
+    """Split `costs` into `partitions` consecutive non-empty runs minimizing the largest run's sum."""
+    layers = len(costs)
+    if isinstance(partitions, bool) or not isinstance(partitions, int) or not 1 <= partitions <= layers:
+        raise ValueError(f"partitions={partitions!r}: expected an int between 1 and the {layers} layers")
+    prefix = [0.0]
+    for c in costs:
+        prefix.append(prefix[-1] + c)
+    inf = float("inf")
+    # best[k][i]: smallest possible largest stage when the first i layers form k stages
+    best = [[inf] * (layers + 1) for _ in range(partitions + 1)]
+    cut = [[0] * (layers + 1) for _ in range(partitions + 1)]
+    best[0][0] = 0.0
+    for k in range(1, partitions + 1):
+        for i in range(k, layers - (partitions - k) + 1):
+            for j in range(k - 1, i):
+                value = max(best[k - 1][j], prefix[i] - prefix[j])
+                if value < best[k][i]:
+                    best[k][i], cut[k][i] = value, j
+    counts, i = [], layers
+    for k in range(partitions, 0, -1):
+        counts.append(i - cut[k][i])
+        i = cut[k][i]
+    return counts[::-1]
+
+
+def layer_times(module: nn.Sequential, sample: Value, repeat: int = 3) -> list[float]:
+    """Median forward+backward seconds of each layer of `module` on the activations `sample` produces."""
+    def measure(layer: nn.Module, x: Value):
+        times, out = [], None
+        for _ in range(repeat + 1):
+            _synchronize(x)
+            start = time.perf_counter()
+            out = _forward_backward(layer, x)
+            _synchronize(x)
+            times.append(time.perf_counter() - start)
+        return statistics.median(times[1:]), out
+
+    return _per_layer(module, sample, measure)
+
+
+def layer_sizes(module: nn.Sequential, sample: Value, param_scale: float = 2.0) -> list[float]:
+    """Bytes of each layer: activations autograd saves on `sample`, plus param_scale x parameter bytes."""
+    def measure(layer: nn.Module, x: Value):
+        params = list(layer.parameters())
+        ledger = ActivationLedger(params)
+        with ledger.saving():
+            out = layer(x)
+        return ledger.peak + param_scale * sum(p.numel() * p.element_size() for p in params), out
+
+    return _per_layer(module, sample, measure)
+
+
+def _per_layer(module: nn.Sequential, sample: Value, measure: Callable) -> list[float]:
+    """Apply `measure(copy_of_layer, input)` to each layer in turn, feeding outputs forward."""
+    check_module(module)
+    devices = [sample.device] if isinstance(sample, torch.Tensor) else [t.device for t in sample]
+    costs, x = [], sample
+    with torch.random.fork_rng(devices=[d for d in devices if d.type == "cuda"]):
+        for layer in module:
+            cost, out = measure(copy.deepcopy(layer), as_leaves(x))
+            costs.append(cost)
+            x = detached(out)
+    return costs
+
+
+def _forward_backward(layer: nn.Module, x: Value) -> Value:
+    out = layer(x)
+    roots = [t for t in tensors_of(out) if t.requires_grad]
+    if roots:
+        torch.autograd.backward(roots, [torch.ones_like(t) for t in roots])
+    return out
+
+
+def _synchronize(value: Value) -> None:
+    for t in tensors_of(value):
+        if t.is_cuda:
+            torch.cuda.synchronize(t.device)

@@ -1,0 +1,160 @@
+"""Benchmark of the engine on this host: prints one table of measured throughputs and ratios.
+
+    python -m engine.bench            # full size: 8 x Linear(1024,1024)+ReLU, batch 2048
+    python -m engine.bench --quick    # a small model, for a smoke run
+
+Every configuration is timed once per round, round after round, so that a noisy host slows all
+of them alike. Rates are medians over the rounds; a ratio is the median of the per-round ratios.
+"""
+from __future__ import annotations
+
+import argparse
+import platform
+import statistics
+import threading
+import time
+from typing import Callable
+
+import torch
+from torch import nn
+
+from .device import cpu_cores, keep_freed_cpu_memory
+from .pipe import GPipe
+
+
+def uniform_mlp(width: int, layers: int, dropout: float = 0.0, seed: int = 0) -> nn.Sequential:
+    """`layers` x (Linear(width, width) + ReLU [+ Dropout]), the benchmark's uniform stack."""
+    torch.manual_seed(seed)
+    blocks = []
+    for _ in range(layers):
+        blocks += [nn.Linear(width, width), nn.ReLU()] + ([nn.Dropout(dropout)] if dropout else [])
+    return nn.Sequential(*blocks)
+
+
+def plain_step(model: nn.Sequential, threads: int) -> Callable[[torch.Tensor, torch.Tensor], None]:
+    """One ordinary PyTorch forward/backward on the whole batch, with `threads` intra-op threads."""
+    loss_fn = nn.MSELoss()
+
+    def step(x, y):
+        previous = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            loss_fn(model(x), y).backward()
+        finally:
+            torch.set_num_threads(previous)
+    return step
+
+
+def engine_step(model: nn.Sequential, stages: int, chunks: int, threads: int, **options):
+    pipe = GPipe(model, stages, chunks=chunks, threads_per_stage=threads, **options)
+    loss_fn = nn.MSELoss()
+    return lambda x, y: pipe.step(x, y, loss_fn)
+
+
+def measure(steps: dict[str, Callable], x: torch.Tensor, y: torch.Tensor, rounds: int) -> dict[str, list[float]]:
+    """Seconds per step of each step function in each round, timed round-robin after a warm-up."""
+    for step in steps.values():
+        step(x, y)
+    times: dict[str, list[float]] = {name: [] for name in steps}
+    for _ in range(rounds):
+        for name, step in steps.items():
+            start = time.perf_counter()
+            step(x, y)
+            times[name].append(time.perf_counter() - start)
+    return times
+
+
+def ratio(times: dict[str, list[float]], fast: str, slow: str) -> float:
+    """How many times faster `fast` ran than `slow`: the median of the per-round ratios (pairs
+    timed seconds apart suffer the same host noise)."""
+    return statistics.median(s / f for f, s in zip(times[fast], times[slow]))
+
+
+def independent_halves(model: nn.Sequential, chunks: int, checkpoint: str):
+    """The ceiling for two cores: each half of the model trained on its own thread (K=1 each), the
+    same work as the two stages of a K=2 pipeline (the second half's input gradient included) but
+    with no data passing between them."""
+    half = len(model) // 2
+    pipes = [GPipe(nn.Sequential(*list(model)[:half]), 1, chunks=chunks, threads_per_stage=1, checkpoint=checkpoint),
+             GPipe(nn.Sequential(*list(model)[half:]), 1, chunks=chunks, threads_per_stage=1, checkpoint=checkpoint)]
+    loss_fn = nn.MSELoss()
+
+    def step(x, y):
+        middle = torch.randn(x.shape[0], pipes[1].partitions[0][0].in_features, requires_grad=True)
+        threads = [threading.Thread(target=pipe.step, args=(inputs, target, loss_fn))
+                   for pipe, inputs, target in ((pipes[0], x, middle), (pipes[1], middle, y))]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    return step
+
+
+def run(width: int, layers: int, batch: int, rounds: int, checkpoint: str) -> list[tuple[str, str, str]]:
+    """Measure every configuration and return the table rows (what, measured, target)."""
+    cores = cpu_cores()
+    torch.manual_seed(1)
+    x, y = torch.randn(batch, width), torch.randn(batch, width)
+    model = uniform_mlp(width, layers)
+    dropout_model = uniform_mlp(width, layers, dropout=0.1)
+    single = {f"K=1 M={m} {t} thread(s)": engine_step(model, 1, m, t, checkpoint=checkpoint)
+              for m in (1, 4, 32) for t in sorted({1, cores})}
+    steps = dict(single)
+    steps.update({
+        "K=2 M=32": engine_step(model, 2, 32, 1, checkpoint=checkpoint),
+        "ceiling": independent_halves(model, 32, checkpoint),
+        "K=2 M=32 no ledger": engine_step(model, 2, 32, 1, checkpoint=checkpoint, record_memory=False),
+        "plain PyTorch": plain_step(model, cores),
+        "dropout seed=None": engine_step(dropout_model, 2, 32, 1, checkpoint=checkpoint),
+        "dropout seed=0": engine_step(dropout_model, 2, 32, 1, checkpoint=checkpoint, seed=0),
+    })
+    times = measure(steps, x, y, rounds)
+    rate = {name: batch / statistics.median(t) for name, t in times.items()}
+    one_core = "K=1 M=32 1 thread(s)"
+    best = max(single, key=rate.get)
+    return [
+        ("K=1, M=32, one thread (one core)", f"{rate[one_core]:.0f} samples/s", ""),
+        ("K=2, M=32, one thread per stage", f"{rate['K=2 M=32']:.0f} samples/s", ""),
+        ("**speedup K=2 over K=1 at M=32**", f"**{ratio(times, 'K=2 M=32', one_core):.2f}x**",
+         ">= 1.8x (paper: 1.8x on 2 TPUs; ideal 2*32/33 = 1.94x)"),
+        ("ceiling: both halves on 2 threads, no pipeline", f"{ratio(times, 'ceiling', one_core):.2f}x",
+         "what 2 cores of this host give with no data dependencies"),
+        (f"best single stage ({best})", f"{rate[best]:.0f} samples/s", ""),
+        ("K=2, M=32 over the best single stage", f"{ratio(times, 'K=2 M=32', best):.2f}x", "reported"),
+        (f"K=1, M=1 engine step vs plain PyTorch, {cores} threads",
+         f"{ratio(times, f'K=1 M=1 {cores} thread(s)', 'plain PyTorch'):.3f}x", "within 5% (0.95x to 1.05x)"),
+        ("memory ledger on vs off (K=2, M=32)", f"{ratio(times, 'K=2 M=32', 'K=2 M=32 no ledger'):.3f}x",
+         "cost of tracing memory (1.0 = free)"),
+        ("seed=0 vs seed=None (with dropout, K=2, M=32)", f"{ratio(times, 'dropout seed=0', 'dropout seed=None'):.3f}x",
+         "cost of seed= (1.0 = free)"),
+    ]
+
+
+def format_table(rows: list[tuple[str, str, str]]) -> str:
+    """A markdown table of the rows."""
+    lines = ["| measurement | result | target / note |", "|---|---|---|"]
+    lines += [f"| {what} | {value} | {target} |" for what, value, target in rows]
+    return "\n".join(lines)
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="small model and batch: a smoke run, not a measurement")
+    parser.add_argument("--rounds", type=int, default=7, help="timed rounds per configuration (medians are shown)")
+    parser.add_argument("--checkpoint", default="except_last", choices=["always", "except_last", "never"])
+    parser.add_argument("--default-malloc", action="store_true",
+                        help="leave glibc malloc as it is (by default freed memory is kept for reuse, "
+                             "see engine.device.keep_freed_cpu_memory)")
+    args = parser.parse_args(argv)
+    tuned = not args.default_malloc and keep_freed_cpu_memory()
+    width, layers, batch = (64, 4, 128) if args.quick else (1024, 8, 2048)
+    rounds = 1 if args.quick else args.rounds
+    print(f"# engine benchmark: {layers} x (Linear({width},{width}) + ReLU), batch {batch}, "
+          f"checkpoint={args.checkpoint}, {rounds} round(s), median samples/s")
+    print(f"# host: {platform.processor() or platform.machine()}, {cpu_cores()} cores; torch {torch.__version__}; "
+          f"malloc {'keeps freed memory (all rows)' if tuned else 'glibc defaults'}")
+    print(format_table(run(width, layers, batch, rounds, args.checkpoint)))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,145 @@
+"""Devices for stages: choosing and checking them, per-thread CPU/CUDA setup, timing, and copies.
+
+CPU is a first-class device: every stage may be "cpu", each worker then limits its intra-op
+threads so that K workers share the cores instead of oversubscribing them. On CUDA each stage
+computes on a stream of its own; tensors cross to the next stage's device on the sender's stream
+and the receiver waits on an event before touching them.
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+import time
+from contextlib import ExitStack
+from typing import Optional, Sequence
+
+import torch
+
+from .microbatch import Value, rebuild, tensors_of
+
+
+def cpu_cores() -> int:
+    """Cores this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+def keep_freed_cpu_memory() -> bool:
+    """Opt-in host tuning: let glibc's malloc keep freed memory for reuse instead of giving it back
+    to the OS, so that activations and gradients re-allocated every micro-batch stop costing page
+    faults (tens of thousands per step, and worse when stage threads fault at the same time).
+    Process-wide; applies on Linux with glibc; returns whether it did. The engine never calls it
+    itself: benchmarks and the lab do, for every configuration they compare alike."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        settings = ((-3, 32 << 20), (-1, 1 << 30), (-2, 64 << 20))  # M_MMAP_THRESHOLD, M_TRIM_THRESHOLD, M_TOP_PAD
+        return all(libc.mallopt(option, value) == 1 for option, value in settings)
+    except (OSError, AttributeError):
+        return False
+
+
+def resolve_devices(devices: Optional[Sequence], stages: int) -> list[torch.device]:
+    """One checked torch.device per stage; default cuda:0..K-1 when there are K GPUs, else CPU."""
+    if devices is None:
+        if torch.cuda.is_available() and torch.cuda.device_count() >= stages:
+            return [torch.device("cuda", k) for k in range(stages)]
+        return [torch.device("cpu")] * stages
+    if isinstance(devices, (str, torch.device)) or not isinstance(devices, Sequence):
+        raise TypeError(f"devices must be a list with one device per stage, got {devices!r}")
+    if len(devices) != stages:
+        raise ValueError(f"devices has {len(devices)} entries but there are {stages} stages; expected one per stage")
+    return [_check_device(d, i) for i, d in enumerate(devices)]
+
+
+def _check_device(device, index: int) -> torch.device:
+    try:
+        resolved = torch.device(device)
+    except (RuntimeError, TypeError) as err:
+        raise ValueError(f"devices[{index}]={device!r} is not a device name such as 'cpu' or 'cuda:0'") from err
+    if resolved.type == "cpu":
+        return resolved
+    if resolved.type != "cuda":
+        raise ValueError(f"devices[{index}]={device!r}: only 'cpu' and 'cuda' devices are supported")
+    if not torch.cuda.is_available():
+        raise ValueError(f"devices[{index}]={device!r} is not available: this host has no CUDA GPU "
+                         f"(torch.cuda.is_available() is False); use 'cpu'")
+    count = torch.cuda.device_count()
+    resolved = torch.device("cuda", resolved.index if resolved.index is not None else torch.cuda.current_device())
+    if resolved.index >= count:
+        raise ValueError(f"devices[{index}]={device!r} is not available: this host has {count} CUDA device(s)")
+    return resolved
+
+
+class StageDevice:
+    """The device side of one stage: thread setup, task timing, and moving values to other stages."""
+
+    def __init__(self, device: torch.device, threads: int):
+        self.device = device
+        self.threads = threads
+        self.is_cuda = device.type == "cuda"
+        self.stream = torch.cuda.Stream(device) if self.is_cuda else None
+        self._origin = None
+        self._t0 = 0.0
+
+    def start(self, t0: float) -> None:
+        """Mark the step's time origin (host time `t0`; on CUDA also an event on the stage stream)."""
+        self._t0 = t0
+        if self.is_cuda:
+            self._origin = torch.cuda.Event(enable_timing=True)
+            self._origin.record(self.stream)
+
+    def enter(self) -> ExitStack:
+        """Set up the calling worker thread: intra-op threads on CPU, device and stream on CUDA."""
+        stack = ExitStack()
+        if self.is_cuda:
+            stack.enter_context(torch.cuda.device(self.device))
+            stack.enter_context(torch.cuda.stream(self.stream))
+        else:
+            torch.set_num_threads(self.threads)
+        return stack
+
+    def mark(self):
+        """A time stamp on this stage's timeline; read it with `seconds` once the step is over."""
+        if self.is_cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record(self.stream)
+            return event
+        return time.perf_counter() - self._t0
+
+    def seconds(self, mark) -> float:
+        """Seconds from the step's start to `mark` (GPU time on CUDA; synchronizes the stream)."""
+        if self.is_cuda:
+            mark.synchronize()
+            return self._origin.elapsed_time(mark) / 1e3
+        return mark
+
+    def send(self, value: Value, destination: torch.device):
+        """Move `value` towards `destination` on this stage's stream; returns what to put in the mailbox."""
+        non_blocking = destination.type == "cuda"
+        moved = rebuild(value, [None if t is None else t.to(destination, non_blocking=non_blocking)
+                                for t in tensors_of(value)])
+        if not (self.is_cuda or destination.type == "cuda"):
+            return moved, None
+        ready = torch.cuda.Event()
+        ready.record(torch.cuda.current_stream(destination))
+        return moved, ready
+
+    def to_here(self, value: Value) -> Value:
+        """Move a value from outside the pipeline (an input or target chunk) onto this stage's device."""
+        return rebuild(value, [t.to(self.device) for t in tensors_of(value)])
+
+    def receive(self, payload) -> Value:
+        """Make a value sent by another stage safe to use on this stage's stream."""
+        value, ready = payload
+        if self.is_cuda and ready is not None:
+            self.stream.wait_event(ready)
+            for t in tensors_of(value):
+                if t is not None and t.is_cuda:
+                    t.record_stream(self.stream)
+        return value
+
+    def peak_bytes(self) -> Optional[int]:
+        """torch.cuda.max_memory_allocated of this stage's GPU since the step began; None on CPU."""
+        return torch.cuda.max_memory_allocated(self.device) if self.is_cuda else None

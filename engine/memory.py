@@ -1,0 +1,87 @@
+"""A byte ledger of the activations a stage keeps for its backward pass.
+
+Autograd hands every tensor it saves for backward to a saved-tensors pack hook; the ledger counts
+the bytes of each distinct storage while anything still holds it, and forgets it when the graph
+that saved it is freed. Parameters are not activations and are left out. Inputs kept for a
+recompute are added explicitly. The peak of the live total is what the trace reports.
+"""
+from __future__ import annotations
+
+import threading
+from contextlib import contextmanager
+from typing import Iterable
+
+import torch
+
+
+class _Held:
+    """What autograd stores instead of a saved tensor: the tensor plus a release on deletion."""
+
+    __slots__ = ("tensor", "_release")
+
+    def __init__(self, tensor: torch.Tensor, release):
+        self.tensor = tensor
+        self._release = release
+
+    def __del__(self):
+        self._release()
+
+
+class ActivationLedger:
+    """Live and peak bytes of the activations one stage holds for backward."""
+
+    def __init__(self, parameters: Iterable[torch.Tensor] = ()):
+        self._lock = threading.Lock()
+        self._excluded = {_storage_key(p) for p in parameters}
+        self._holders: dict[tuple, list[int]] = {}  # storage -> [bytes, holders]
+        self.live = 0
+        self.peak = 0
+
+    def reset_peak(self) -> None:
+        """Start a new peak measurement from what is live now."""
+        with self._lock:
+            self.peak = self.live
+
+    def hold(self, tensor: torch.Tensor) -> _Held:
+        """Count `tensor`'s storage until the returned handle is deleted."""
+        key = _storage_key(tensor)
+        if key in self._excluded or tensor.untyped_storage().nbytes() == 0:
+            return _Held(tensor, _noop)
+        with self._lock:
+            entry = self._holders.get(key)
+            if entry is None:
+                entry = self._holders[key] = [tensor.untyped_storage().nbytes(), 0]
+                self.live += entry[0]
+                self.peak = max(self.peak, self.live)
+            entry[1] += 1
+        return _Held(tensor, lambda: self._release(key))
+
+    def hold_all(self, tensors: Iterable[torch.Tensor]) -> list[_Held]:
+        """Count several tensors (e.g. a stage input kept for recompute) until the handles go."""
+        return [self.hold(t) for t in tensors]
+
+    def _release(self, key: tuple) -> None:
+        with self._lock:
+            entry = self._holders[key]
+            entry[1] -= 1
+            if entry[1] == 0:
+                del self._holders[key]
+                self.live -= entry[0]
+
+    @contextmanager
+    def saving(self):
+        """Count every tensor autograd saves for backward inside this block."""
+        with torch.autograd.graph.saved_tensors_hooks(self.hold, _unpack):
+            yield
+
+
+def _storage_key(tensor: torch.Tensor) -> tuple:
+    return tensor.device, tensor.untyped_storage().data_ptr()
+
+
+def _unpack(held: _Held) -> torch.Tensor:
+    return held.tensor
+
+
+def _noop() -> None:
+    pass

@@ -1,0 +1,185 @@
+"""Reproducible randomness for pipeline stages: one random stream per (step, layer, micro-batch).
+
+PyTorch's default CPU generator is one per process and shared by every thread, so stage workers
+that draw dropout masks from it race each other, and saving/restoring its state around a
+recompute races the same way. Instead, while a stage runs a layer, a thread-local dispatch mode
+hands every random op a private generator seeded from (seed, step, layer, micro-batch). The masks
+then depend on neither the partition nor thread timing: forward and recompute draw the same bits,
+and K = 1, 2, 3, 4 draw the same bits.
+
+Without a user seed, each call's base seed is drawn from torch's own generator, so
+`torch.manual_seed` still makes a whole run reproducible.
+"""
+from __future__ import annotations
+
+import threading
+from typing import Callable, Optional, Sequence
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+_MASK64 = (1 << 64) - 1
+
+
+def mix_seed(*parts: int) -> int:
+    """Fold integers into one 64-bit seed with splitmix64, so nearby keys give unrelated streams."""
+    state = 0x9E3779B97F4A7C15
+    for part in parts:
+        state = (state ^ (part & _MASK64)) & _MASK64
+        state = (state + 0x9E3779B97F4A7C15) & _MASK64
+        z = state
+        z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+        state = z ^ (z >> 31)
+    return state
+
+
+_RANDOM_MODULES = (nn.modules.dropout._DropoutNd, nn.RReLU, nn.MultiheadAttention)
+
+
+def has_random_modules(layer: nn.Module) -> bool:
+    """Whether `layer` contains a module known to draw random numbers in training (dropout & co)."""
+    return any(isinstance(m, _RANDOM_MODULES) for m in layer.modules())
+
+
+class StageRandomness(TorchDispatchMode):
+    """Dispatch mode giving each (layer, micro-batch) its own seeded generator on the stage's thread.
+
+    The mode costs a Python call per tensor op, so it only wraps layers that draw random numbers:
+    those containing dropout-like modules, and any other layer seen drawing random numbers on a
+    training-mode call. (A custom layer that draws nothing on its first training call but does
+    later is not caught: give it a dropout-like submodule or draw through a dropout module.)
+    """
+
+    def __init__(self, layers: Sequence[tuple[int, nn.Module]]):
+        super().__init__()
+        self.base_seed = 0
+        self._random: dict[int, Optional[bool]] = {i: (True if has_random_modules(m) else None) for i, m in layers}
+        self._key: tuple[int, int] = (0, 0)
+        self._generators: dict[torch.device, torch.Generator] = {}
+        self._seeded: dict[torch.device, bool] = {}  # generators seeded since the layer started
+        self._drew = False
+
+    def start(self, base_seed: int) -> None:
+        """Begin a call whose random streams derive from `base_seed`."""
+        self.base_seed = base_seed
+
+    def run(self, layer_id: int, layer: nn.Module, x, micro: int):
+        """Run `layer` on micro-batch `micro`, its random ops drawing from the stream of (layer, micro)."""
+        known = self._random[layer_id]
+        if known is False:
+            return layer(x)
+        self._key, self._drew = (layer_id, micro), False
+        self._seeded.clear()
+        with self:
+            out = layer(x)
+        if known is None and (self._drew or layer.training):
+            self._random[layer_id] = self._drew
+        return out
+
+    def generator(self, device: torch.device) -> torch.Generator:
+        """The generator for the current (layer, micro-batch) on `device`, freshly seeded on first use."""
+        self._drew = True
+        gen = self._generators.get(device)
+        if gen is None:
+            gen = self._generators[device] = torch.Generator(device=device)
+        if device not in self._seeded:
+            gen.manual_seed(mix_seed(self.base_seed, *self._key))
+            self._seeded[device] = True
+        return gen
+
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        # Nothing here is compiled; without this PyTorch wraps __torch_dispatch__ in a dynamo guard
+        # that costs tens of microseconds per op (and imports torch._dynamo on first use).
+        return False
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        handler = _handler(func)
+        if handler is None:
+            return func(*args, **kwargs)
+        return handler(self, func, args, kwargs)
+
+
+# --- routing each random op to a private generator -------------------------------------------
+
+_FALLBACK_LOCK = threading.Lock()
+_handlers: dict = {}
+
+
+def _handler(func) -> Optional[Callable]:
+    """How to run `func` reproducibly: None for ops that draw no random numbers."""
+    if func not in _handlers:
+        _handlers[func] = _make_handler(func)
+    return _handlers[func]
+
+
+def _make_handler(func) -> Optional[Callable]:
+    if torch.Tag.nondeterministic_seeded not in func.tags:
+        return None
+    names = [a.name for a in func._schema.arguments]
+    if "generator" in names:
+        return _inject_generator
+    if func is torch.ops.aten.native_dropout.default:
+        return _native_dropout
+    twin = _generator_twin(func, names)
+    if twin is not None:
+        return lambda mode, _func, args, kwargs: _inject_generator(mode, twin, args, kwargs)
+    return _seeded_default_generator
+
+
+def _generator_twin(func, names: list[str]):
+    """The overload of `func` that takes the same arguments plus a generator (rand -> rand.generator)."""
+    packet = getattr(torch.ops.aten, func._schema.name.split("::")[-1])
+    for overload in packet.overloads():
+        candidate = getattr(packet, overload)
+        other = [a.name for a in candidate._schema.arguments]
+        if "generator" in other and [n for n in other if n != "generator"] == names:
+            return candidate
+    return None
+
+
+def _device_of(args, kwargs) -> torch.device:
+    device = kwargs.get("device")
+    if device is not None:
+        return torch.device(device)
+    for value in list(args) + list(kwargs.values()):
+        if isinstance(value, torch.Tensor):
+            return value.device
+    return torch.device("cpu")
+
+
+def _inject_generator(mode: StageRandomness, func, args, kwargs):
+    if kwargs.get("generator") is None:
+        kwargs = dict(kwargs, generator=mode.generator(_device_of(args, kwargs)))
+    return func(*args, **kwargs)
+
+
+def _native_dropout(mode: StageRandomness, func, args, kwargs):
+    """aten.native_dropout (the fused CUDA path) has no generator argument: redo it with one."""
+    bound = dict(zip(("input", "p", "train"), args), **kwargs)
+    x, p, train = bound["input"], bound["p"], bound.get("train")
+    if train is False:
+        return x.clone(), torch.ones_like(x, dtype=torch.bool)
+    mask = torch.empty_like(x, dtype=torch.bool).bernoulli_(1.0 - p, generator=mode.generator(x.device))
+    scale = 0.0 if p == 1 else 1.0 / (1.0 - p)
+    return x * mask * scale, mask
+
+
+def _seeded_default_generator(mode: StageRandomness, func, args, kwargs):
+    """Ops with no generator argument at all (fused attention or RNN dropout): run them on the
+    process-wide generator, reseeded for this layer, under a lock so stages cannot interleave."""
+    bound = dict(zip((a.name for a in func._schema.arguments), args), **kwargs)
+    if bound.get("dropout_p", bound.get("dropout", 1)) == 0 or bound.get("train") is False:
+        return func(*args, **kwargs)
+    device = _device_of(args, kwargs)
+    default = torch.default_generator if device.type == "cpu" else torch.cuda.default_generators[device.index or 0]
+    with _FALLBACK_LOCK:
+        state = default.get_state()
+        default.manual_seed(mode.generator(device).initial_seed())
+        try:
+            return func(*args, **kwargs)
+        finally:
+            default.set_state(state)

@@ -1,0 +1,101 @@
+"""What one pipelined step recorded: a timed event per task, memory per stage, derived figures."""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from typing import Optional
+
+
+@dataclass(frozen=True)
+class Event:
+    """One task as it ran: `op` is "F", "R" or "B"; `start`/`end` are seconds from the step's start."""
+
+    stage: int
+    micro: int
+    op: str
+    start: float
+    end: float
+    device: str
+
+    @property
+    def duration(self) -> float:
+        return self.end - self.start
+
+
+@dataclass(frozen=True)
+class StageMemory:
+    """Memory of one stage: bytes of its parameters and gradients, and the activation peak.
+
+    `activation_peak_bytes` is measured from the tensors autograd actually saved for backward (plus
+    inputs kept for recompute), not estimated from shapes. `device_peak_bytes` is
+    torch.cuda.max_memory_allocated of the stage's GPU (shared by stages on one GPU); None on CPU.
+    """
+
+    stage: int
+    device: str
+    param_bytes: int
+    grad_bytes: int
+    activation_peak_bytes: int
+    device_peak_bytes: Optional[int] = None
+
+
+@dataclass
+class Trace:
+    """The record of the last `step()` or forward call of a GPipe."""
+
+    stages: int = 0
+    micro_batches: int = 0
+    batch_size: int = 0
+    checkpoint: str = ""
+    kind: str = "step"  # "step" (forward+backward) or "forward"
+    events: list[Event] = field(default_factory=list)
+    memory: list[StageMemory] = field(default_factory=list)
+    wall: float = 0.0  # seconds the whole call took, as the caller saw it
+
+    @property
+    def makespan(self) -> float:
+        """Seconds from the step's start to the end of its last task."""
+        return max((e.end for e in self.events), default=0.0)
+
+    @property
+    def busy(self) -> list[float]:
+        """Seconds each stage spent running tasks."""
+        totals = [0.0] * self.stages
+        for e in self.events:
+            totals[e.stage] += e.duration
+        return totals
+
+    @property
+    def bubble(self) -> float:
+        """Measured idle fraction of the K stages over the makespan: 1 - sum(busy) / (K * makespan)."""
+        if not self.events or self.makespan <= 0:
+            return 0.0
+        return 1.0 - sum(self.busy) / (self.stages * self.makespan)
+
+    @property
+    def samples_per_second(self) -> float:
+        """Mini-batch samples processed per second of makespan."""
+        return self.batch_size / self.makespan if self.makespan > 0 else 0.0
+
+    def to_records(self) -> list[dict]:
+        """The events as a list of plain dicts (stage, micro, op, start, end, device)."""
+        return [asdict(e) for e in self.events]
+
+    def to_dataframe(self):
+        """The events as a pandas DataFrame, one row per task, with a `duration` column."""
+        import pandas as pd
+
+        frame = pd.DataFrame(self.to_records(), columns=["stage", "micro", "op", "start", "end", "device"])
+        frame["duration"] = frame["end"] - frame["start"]
+        return frame
+
+    def to_chrome_trace(self) -> str:
+        """Chrome-trace JSON (open it at ui.perfetto.dev or chrome://tracing): one row per stage."""
+        names = {"F": "forward", "R": "recompute", "B": "backward"}
+        rows = [{"name": "thread_name", "ph": "M", "pid": 0, "tid": s, "args": {"name": f"stage {s}"}}
+                for s in range(self.stages)]
+        rows += [{"name": f"{e.op}{e.micro}", "cat": names.get(e.op, e.op), "ph": "X", "pid": 0, "tid": e.stage,
+                  "ts": e.start * 1e6, "dur": e.duration * 1e6,
+                  "args": {"micro_batch": e.micro, "device": e.device}}
+                 for e in self.events]
+        return json.dumps({"traceEvents": rows, "displayTimeUnit": "ms"})

@@ -1,0 +1,131 @@
+"""Running a schedule: one worker thread per stage, failures reported to the caller promptly.
+
+Each stage has a long-lived worker thread (a new thread per step would pay the CPU math
+libraries' per-thread start-up, milliseconds, on every step). For each call the caller hands
+every worker its stage's task list, then waits: it passes finished-task events to an optional
+callback as they arrive and, on the first failure, aborts every worker, waits until all have
+stopped, and re-raises the original exception with the stage, task and micro-batch named.
+Workers end when their pipe is closed or garbage-collected.
+"""
+from __future__ import annotations
+
+import queue
+import threading
+import weakref
+from functools import partial
+from typing import Callable, Optional
+
+from .schedule import Task, upstream
+from .stage import Stage
+from .trace import Event
+from .transport import Aborted, ThreadTransport, message_key
+
+_OP_NAMES = {"F": "forward", "R": "recompute", "B": "backward"}
+
+
+class StageThreads:
+    """K persistent worker threads, one per stage; each runs the jobs submitted to it in order."""
+
+    def __init__(self, count: int):
+        self._inboxes = [queue.SimpleQueue() for _ in range(count)]
+        for k, inbox in enumerate(self._inboxes):
+            threading.Thread(target=_serve, args=(inbox,), name=f"gpipe-stage-{k}", daemon=True).start()
+        self.close = weakref.finalize(self, _stop, self._inboxes)  # on close() or garbage collection
+
+    def submit(self, stage: int, job: Callable[[], None]) -> None:
+        self._inboxes[stage].put(job)
+
+
+def _serve(inbox: queue.SimpleQueue) -> None:
+    while True:
+        job = inbox.get()
+        if job is None:
+            return
+        job()
+        del job  # hold nothing of a finished call while idle
+
+
+def _stop(inboxes) -> None:
+    for inbox in inboxes:
+        inbox.put(None)
+
+
+def run_schedule(threads: StageThreads, stages: list[Stage], schedule: list[list[Task]],
+                 on_event: Optional[Callable[[Event], None]] = None) -> list[Event]:
+    """Run every stage's tasks on its worker thread; return the timed events of all tasks."""
+    transport = ThreadTransport(len(stages))
+    reports: queue.SimpleQueue = queue.SimpleQueue()
+    abort = threading.Event()
+    marks: list[list] = [[] for _ in stages]
+    for stage, tasks in zip(stages, schedule):
+        threads.submit(stage.index, partial(_work, stage, tasks, transport, reports, abort, marks[stage.index],
+                                            stages, live=on_event is not None))
+    failure, running = None, len(stages)
+
+    def stop_all() -> None:
+        abort.set()
+        transport.abort()
+
+    try:
+        while running:
+            kind, payload = reports.get()
+            if kind == "event" and on_event is not None:
+                on_event(payload)
+            elif kind in ("done", "failed"):
+                running -= 1
+                if kind == "failed" and failure is None:
+                    failure = payload
+                    stop_all()
+    except BaseException:  # e.g. Ctrl-C while waiting, or a failing callback: stop the workers first
+        stop_all()
+        while running:
+            running -= reports.get()[0] in ("done", "failed")
+        raise
+    if failure is not None:
+        raise failure
+    events = [Event(s.index, task.micro, task.op, s.device.seconds(a), s.device.seconds(b), str(s.device.device))
+              for s, stage_marks in zip(stages, marks) for task, a, b in stage_marks]
+    events.sort(key=lambda e: (e.start, e.stage))
+    if on_event is not None and any(s.device.is_cuda for s in stages):
+        for event in events:  # GPU times are known only once the step is over
+            on_event(event)
+    return events
+
+
+def _work(stage: Stage, tasks: list[Task], transport: ThreadTransport, reports: queue.SimpleQueue,
+          abort: threading.Event, marks: list, stages: list[Stage], live: bool) -> None:
+    """Run one stage's task list for one call, reporting events, completion or failure."""
+    mailbox = transport.mailboxes[stage.index]
+    count = len(stages)
+    task = None
+    try:
+        with stage.device.enter():
+            for task in tasks:
+                if abort.is_set():
+                    raise Aborted()
+                received = mailbox.get(message_key(task)) if upstream(stage.index, task, count) else None
+                start = stage.device.mark()  # after the input arrived: waiting is idle time, not work
+                message = stage.run(task, received)
+                end = stage.device.mark()
+                marks.append((task, start, end))
+                if message is not None:  # sent after the end mark: the receiver never starts before it
+                    destination, key, value = message
+                    transport.send(destination, key, stage.device.send(value, stages[destination].device.device))
+                if live and not stage.device.is_cuda:
+                    reports.put(("event", Event(stage.index, task.micro, task.op, start, end, str(stage.device.device))))
+        reports.put(("done", None))
+    except Aborted:
+        reports.put(("done", None))
+    except BaseException as exc:  # reported to the caller, who re-raises it
+        reports.put(("failed", _name_place(exc, stage.index, task)))
+
+
+def _name_place(exc: BaseException, stage: int, task: Optional[Task]) -> BaseException:
+    """Put the stage, task and micro-batch in the exception's message, keeping its type."""
+    where = f"stage {stage}" if task is None else (
+        f"stage {stage}, micro-batch {task.micro}, {_OP_NAMES.get(task.op, task.op)} ({task})")
+    if exc.args and isinstance(exc.args[0], str):
+        exc.args = (f"[{where}] {exc.args[0]}",) + exc.args[1:]
+    else:
+        exc.args = (f"[{where}] {exc}",)
+    return exc

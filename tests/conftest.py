@@ -1,0 +1,29 @@
+"""Small models and data shared by the engine tests."""
+import pytest
+import torch
+from torch import nn
+
+
+def mlp(width=16, depth=4, dropout=0.0, batch_norm=False, out=3, dtype=torch.float32, seed=0):
+    """A Linear/(BatchNorm|Dropout)/ReLU stack as an nn.Sequential, identically initialized per seed."""
+    torch.manual_seed(seed)
+    layers = []
+    for _ in range(depth):
+        layers.append(nn.Linear(width, width))
+        if batch_norm:
+            layers.append(nn.BatchNorm1d(width))
+        if dropout:
+            layers.append(nn.Dropout(dropout))
+        layers.append(nn.ReLU())
+    layers.append(nn.Linear(width, out))
+    return nn.Sequential(*layers).to(dtype)
+
+
+def grads(model):
+    return [p.grad.clone() for p in model.parameters()]
+
+
+@pytest.fixture
+def batch():
+    torch.manual_seed(1)
+    return torch.randn(24, 16), torch.randint(0, 3, (24,))

@@ -1,0 +1,41 @@
+"""CUDA paths: stages on GPUs, exactness, GPU-time events, memory peaks. Skipped without CUDA."""
+import pytest
+import torch
+from torch import nn
+
+from engine import GPipe
+from conftest import grads, mlp
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+LOSS = nn.CrossEntropyLoss()
+
+
+def devices(stages):
+    count = torch.cuda.device_count()
+    return [f"cuda:{k % count}" for k in range(stages)]
+
+
+def test_cuda_gradients_match_cpu_and_each_partition():
+    torch.manual_seed(1)
+    x, y = torch.randn(32, 16), torch.randint(0, 3, (32,))
+    reference = mlp(dropout=0.2)
+    GPipe(reference, 1, chunks=4, seed=3, devices=["cuda:0"]).step(x, y, LOSS)
+    for stages in (2, 3):
+        model = mlp(dropout=0.2)
+        pipe = GPipe(model, stages, chunks=4, seed=3, devices=devices(stages), checkpoint="always")
+        pipe.step(x, y, LOSS)
+        for a, b in zip(grads(model), grads(reference)):
+            assert torch.equal(a.cpu(), b.cpu())
+
+
+def test_cuda_trace_has_gpu_times_and_memory_peaks():
+    torch.manual_seed(1)
+    x, y = torch.randn(32, 16), torch.randint(0, 3, (32,))
+    pipe = GPipe(mlp(), 2, chunks=4, devices=devices(2))
+    seen = []
+    pipe.step(x, y, LOSS, on_event=seen.append)
+    assert len(seen) == len(pipe.trace.events) == 2 * (4 + 4 + 3)
+    assert all(e.device.startswith("cuda") and 0 <= e.start <= e.end for e in pipe.trace.events)
+    assert all(m.device_peak_bytes and m.device_peak_bytes > 0 for m in pipe.trace.memory)
+    out = pipe(x.cuda())
+    assert out.device == torch.device(devices(2)[-1])

@@ -1,0 +1,227 @@
+"""Gradients do not depend on the partition: bitwise across K and checkpoint modes, close to one device."""
+import pytest
+import torch
+from torch import nn
+
+from engine import GPipe
+from conftest import grads, mlp
+
+LOSS = nn.CrossEntropyLoss()
+
+
+def pipelined_grads(model_fn, inputs, targets, stages, chunks=4, steps=1, **options):
+    model = model_fn()
+    pipe = GPipe(model, stages, chunks=chunks, threads_per_stage=1, **options)
+    losses = [pipe.step(inputs, targets, LOSS) for _ in range(steps)]
+    return grads(model), losses, model
+
+
+def assert_bitwise(a, b):
+    assert len(a) == len(b)
+    for x, y in zip(a, b):
+        assert torch.equal(x, y)
+
+
+@pytest.mark.parametrize("checkpoint", ["never", "always", "except_last"])
+def test_bitwise_identical_for_every_partition(batch, checkpoint):
+    x, y = batch
+    reference, _, _ = pipelined_grads(mlp, x, y, 1, checkpoint="never")
+    for stages in (1, 2, 3, 4):
+        got, _, _ = pipelined_grads(mlp, x, y, stages, checkpoint=checkpoint)
+        assert_bitwise(got, reference)
+
+
+def test_uneven_balance_and_uneven_chunks_still_bitwise():
+    torch.manual_seed(3)
+    x, y = torch.randn(23, 16), torch.randint(0, 3, (23,))  # torch.chunk(23, 4) -> 6, 6, 6, 5
+    reference, _, _ = pipelined_grads(mlp, x, y, 1)
+    got, _, _ = pipelined_grads(mlp, x, y, [1, 6, 2])
+    assert_bitwise(got, reference)
+
+
+def test_matches_unpipelined_full_batch_float32(batch):
+    x, y = batch
+    model = mlp()
+    LOSS(model(x), y).backward()
+    for stages in (1, 2, 4):
+        for checkpoint in ("never", "always"):
+            got, losses, _ = pipelined_grads(mlp, x, y, stages, checkpoint=checkpoint)
+            for g, p in zip(got, model.parameters()):
+                assert torch.allclose(g, p.grad, rtol=1e-5, atol=1e-6)
+            assert losses[0].item() == pytest.approx(LOSS(model(x), y).item(), rel=1e-6)
+
+
+def test_matches_unpipelined_full_batch_float64(batch):
+    x, y = batch
+    model = mlp(dtype=torch.float64)
+    LOSS(model(x.double()), y).backward()
+    got, _, _ = pipelined_grads(lambda: mlp(dtype=torch.float64), x.double(), y, 3, chunks=5)
+    for g, p in zip(got, model.parameters()):
+        assert torch.allclose(g, p.grad, rtol=0, atol=1e-12)
+
+
+def test_tuple_inputs_pass_between_stages():
+    class Mix(nn.Module):  # takes (features, scale) and hands on a tuple
+        def __init__(self):
+            super().__init__()
+            self.linear = nn.Linear(8, 8)
+
+        def forward(self, pair):
+            features, scale = pair
+            return torch.relu(self.linear(features)) * scale, scale
+
+    class Head(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.linear = nn.Linear(8, 2)
+
+        def forward(self, pair):
+            return self.linear(pair[0])
+
+    def model():
+        torch.manual_seed(0)
+        return nn.Sequential(Mix(), Mix(), Mix(), Head())
+
+    torch.manual_seed(2)
+    x, s, y = torch.randn(12, 8), torch.rand(12, 1), torch.randint(0, 2, (12,))
+    reference = model()
+    LOSS(reference((x, s)), y).backward()
+    got, _, _ = pipelined_grads(model, (x, s), y, 4, chunks=3)
+    for g, p in zip(got, reference.parameters()):
+        assert torch.allclose(g, p.grad, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("run", range(6))
+def test_dropout_with_seed_is_bitwise_for_every_partition(batch, run):
+    x, y = batch
+    model_fn = lambda: mlp(dropout=0.5)  # noqa: E731
+    reference, ref_losses, _ = pipelined_grads(model_fn, x, y, 1, steps=2, seed=run, checkpoint="never")
+    for stages in (2, 3, 4):
+        for checkpoint in ("never", "always"):
+            got, losses, _ = pipelined_grads(model_fn, x, y, stages, steps=2, seed=run, checkpoint=checkpoint)
+            assert_bitwise(got, reference)
+            assert [l.item() for l in losses] == [l.item() for l in ref_losses]
+
+
+def test_dropout_masks_change_between_steps_and_seeds(batch):
+    x, y = batch
+    model = mlp(dropout=0.5)
+    pipe = GPipe(model, 2, chunks=4, seed=0)
+    first, second = pipe.step(x, y, LOSS), pipe.step(x, y, LOSS)
+    assert first.item() != second.item()  # same weights, new masks
+    other = GPipe(mlp(dropout=0.5), 2, chunks=4, seed=1).step(x, y, LOSS)
+    assert other.item() != first.item()
+
+
+def test_recompute_reproduces_dropout_without_seed(batch):
+    """No seed: masks come from torch's RNG, yet forward and recompute still agree, so the gradients
+    equal the no-recompute run started from the same torch.manual_seed."""
+    x, y = batch
+    results = []
+    for checkpoint in ("never", "always"):
+        model = mlp(dropout=0.5)
+        torch.manual_seed(42)
+        GPipe(model, 3, chunks=4, checkpoint=checkpoint).step(x, y, LOSS)
+        results.append(grads(model))
+    assert_bitwise(results[0], results[1])
+
+
+def capture_batch_norm_inputs(model):
+    seen = {}
+    for layer in model:
+        if isinstance(layer, nn.BatchNorm1d):
+            layer.register_forward_pre_hook(lambda mod, args: seen.setdefault(mod, []).append(args[0].detach()))
+    return seen
+
+
+def test_deferred_batch_norm_running_stats_equal_whole_batch(batch):
+    """Each BN layer's running stats equal nn.BatchNorm run once on everything that layer saw in the
+    mini-batch; the recompute passes (checkpoint="always") must not count a second time."""
+    x, y = batch
+    model = mlp(batch_norm=True)
+    seen = capture_batch_norm_inputs(model)
+    pipe = GPipe(model, 3, chunks=4, deferred_batch_norm=True, checkpoint="always")
+    layers = [m for m in model if isinstance(m, nn.BatchNorm1d)]
+    for _ in range(2):
+        seen.clear()
+        references = []
+        for layer in layers:
+            reference = nn.BatchNorm1d(16)
+            reference.load_state_dict(layer.state_dict())
+            references.append(reference)
+        pipe.step(x, y, LOSS)
+        for layer, reference in zip(layers, references):
+            forwards, recomputes = seen[layer][:4], seen[layer][4:]
+            assert len(recomputes) == 4
+            reference(torch.cat(forwards))
+            assert torch.allclose(layer.running_mean, reference.running_mean, rtol=1e-5, atol=1e-6)
+            assert torch.allclose(layer.running_var, reference.running_var, rtol=1e-5, atol=1e-6)
+    assert all(int(m.num_batches_tracked) == 2 for m in layers)
+
+
+def test_deferred_batch_norm_with_cumulative_average(batch):
+    x, y = batch
+    model = mlp(batch_norm=True, depth=1)
+    model[1].momentum = None
+    reference = nn.BatchNorm1d(16, momentum=None)
+    pipe = GPipe(model, 2, chunks=3, deferred_batch_norm=True)
+    for _ in range(3):
+        pipe.step(x, y, LOSS)
+        reference(model[0](x).detach())
+    assert torch.allclose(model[1].running_mean, reference.running_mean, rtol=1e-5, atol=1e-6)
+    assert torch.allclose(model[1].running_var, reference.running_var, rtol=1e-5, atol=1e-6)
+
+
+def test_plain_batch_norm_counts_each_micro_batch_once_despite_recompute(batch):
+    x, y = batch
+    stats = []
+    for checkpoint in ("never", "always"):
+        model = mlp(batch_norm=True)
+        GPipe(model, 2, chunks=4, checkpoint=checkpoint).step(x, y, LOSS)
+        bns = [m for m in model if isinstance(m, nn.BatchNorm1d)]
+        assert all(int(m.num_batches_tracked) == 4 for m in bns)
+        stats.append([(m.running_mean.clone(), m.running_var.clone()) for m in bns])
+    for (mean_a, var_a), (mean_b, var_b) in zip(*stats):
+        assert torch.equal(mean_a, mean_b) and torch.equal(var_a, var_b)
+
+
+def test_batch_norm_gradients_bitwise_across_partitions(batch):
+    x, y = batch
+    model_fn = lambda: mlp(batch_norm=True)  # noqa: E731
+    reference, _, _ = pipelined_grads(model_fn, x, y, 1, deferred_batch_norm=True)
+    for stages in (2, 4):
+        got, _, _ = pipelined_grads(model_fn, x, y, stages, deferred_batch_norm=True, checkpoint="always")
+        assert_bitwise(got, reference)
+
+
+def test_optimizer_loop_trains_and_matches_single_device():
+    torch.manual_seed(5)
+    x = torch.randn(64, 16)
+    y = (x[:, :3].sum(1) > 0).long() + (x[:, 3] > 1).long()  # a learnable 3-class rule
+    reference = mlp()
+    ref_opt = torch.optim.Adam(reference.parameters(), lr=0.01)
+    model = mlp()
+    pipe = GPipe(model, 3, chunks=4, checkpoint="always")
+    opt = torch.optim.Adam(pipe.parameters(), lr=0.01)
+    losses, ref_losses = [], []
+    for _ in range(30):
+        opt.zero_grad()
+        losses.append(pipe.step(x, y, LOSS).item())
+        opt.step()
+        ref_opt.zero_grad()
+        loss = LOSS(reference(x), y)
+        loss.backward()
+        ref_opt.step()
+        ref_losses.append(loss.item())
+    assert losses[-1] < 0.5 * losses[0]
+    assert losses == pytest.approx(ref_losses, rel=1e-4, abs=1e-5)
+    for a, b in zip(model.parameters(), reference.parameters()):
+        assert torch.allclose(a, b, rtol=1e-4, atol=1e-5)
+
+
+def test_partitions_are_the_models_own_layers():
+    model = mlp()
+    pipe = GPipe(model, 3)
+    layers = [layer for partition in pipe.partitions for layer in partition]
+    assert all(a is b for a, b in zip(layers, model))
+    assert {id(p) for p in pipe.parameters()} == {id(p) for p in model.parameters()}

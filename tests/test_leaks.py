@@ -1,0 +1,45 @@
+"""A long run neither grows memory nor leaves threads or tensors behind."""
+import gc
+import threading
+import warnings
+
+import torch
+from torch import nn
+
+from engine import GPipe
+from conftest import mlp
+
+
+def resident_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * 4096
+
+
+def live_tensors() -> int:
+    gc.collect()
+    with warnings.catch_warnings():  # isinstance() on some torch objects warns about deprecations
+        warnings.simplefilter("ignore")
+        return sum(1 for o in gc.get_objects() if isinstance(o, torch.Tensor))
+
+
+def test_a_thousand_steps_do_not_grow_memory():
+    torch.manual_seed(0)
+    x, y = torch.randn(16, 16), torch.randint(0, 3, (16,))
+    model = mlp(dropout=0.1, batch_norm=True)
+    pipe = GPipe(model, 3, chunks=4, checkpoint="except_last", deferred_batch_norm=True, seed=0)
+    opt = torch.optim.SGD(pipe.parameters(), lr=0.01)
+    loss_fn = nn.CrossEntropyLoss()
+
+    def train(steps):
+        for _ in range(steps):
+            opt.zero_grad()
+            pipe.step(x, y, loss_fn)
+            opt.step()
+
+    train(100)
+    tensors, rss, threads = live_tensors(), resident_bytes(), threading.active_count()
+    train(900)
+    assert live_tensors() == tensors
+    assert resident_bytes() - rss < 8 * 2 ** 20
+    assert threading.active_count() == threads
+    assert all(stage.ledger.live == 0 for stage in pipe._stages)
