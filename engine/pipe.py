@@ -14,7 +14,7 @@ from .partition import check_module, resolve_balance, split
 from .rng import mix_seed
 from .stage import Stage, StepPlan
 from .trace import Event, StageMemory, Trace
-from .worker import StageThreads, run_schedule
+from .worker import StageThreads, run_schedule, run_serially
 
 EventCallback = Optional[Callable[[Event], None]]
 
@@ -68,13 +68,16 @@ class GPipe(nn.Module):
             self._threads.close()
             self._threads = None
 
-    def step(self, inputs: Value, targets: torch.Tensor, loss_fn: Callable, on_event: EventCallback = None):
+    def step(self, inputs: Value, targets: torch.Tensor, loss_fn: Callable, on_event: EventCallback = None,
+             serial: bool = False):
         """One mini-batch: pipelined forward and backward, gradients summed into `.grad`.
 
         `loss_fn(output_chunk, target_chunk)` must return the mean loss of a micro-batch; each is
         weighted by its share of the mini-batch, so the gradients are those of the mean over the
         whole mini-batch. Returns that mini-batch loss (a detached scalar on the last device).
-        `on_event`, if given, is called with each task's Event as it finishes.
+        `on_event`, if given, is called with each task's Event as it finishes. `serial=True` runs
+        the tasks one at a time on the calling thread (same results; each task timed alone, as
+        an ideal replay on a host with fewer cores than stages needs).
         """
         if not callable(loss_fn):
             raise TypeError(f"loss_fn must be callable, got {loss_fn!r}")
@@ -89,7 +92,8 @@ class GPipe(nn.Module):
                         checkpointed=[schedules.checkpointed(m, count, self.checkpoint) for m in range(count)],
                         base_seed=self._base_seed(phase=0), training=True, record_memory=self.record_memory)
         self.steps_done += 1
-        self._run(plan, schedules.gpipe(len(self._stages), count, self.checkpoint), batch, "step", on_event)
+        self._run(plan, schedules.gpipe(len(self._stages), count, self.checkpoint), batch,
+                  "serial step" if serial else "step", on_event, serial)
         for stage in self._stages:
             if stage.batch_norm is not None:
                 stage.batch_norm.finish_step()
@@ -123,7 +127,8 @@ class GPipe(nn.Module):
             return int(torch.randint(0, 2 ** 62, ()).item())
         return mix_seed(self.seed, self.steps_done, phase)
 
-    def _run(self, plan: StepPlan, schedule, batch: int, kind: str, on_event: EventCallback) -> None:
+    def _run(self, plan: StepPlan, schedule, batch: int, kind: str, on_event: EventCallback,
+             serial: bool = False) -> None:
         for device in set(self.devices):
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
@@ -131,10 +136,13 @@ class GPipe(nn.Module):
         t0 = time.perf_counter()
         for stage in self._stages:
             stage.start(plan, t0)
-        if self._threads is None:
+        if self._threads is None and not serial:
             self._threads = StageThreads(len(self._stages))
         try:
-            events = run_schedule(self._threads, self._stages, schedule, on_event)
+            if serial:
+                events = run_serially(self._stages, schedule, on_event)
+            else:
+                events = run_schedule(self._threads, self._stages, schedule, on_event)
         except BaseException:
             self._forget_state()
             raise

@@ -47,7 +47,7 @@ class Trace:
     micro_batches: int = 0
     batch_size: int = 0
     checkpoint: str = ""
-    kind: str = "step"  # "step" (forward+backward) or "forward"
+    kind: str = "step"  # "step" (forward+backward), "serial step" (one task at a time) or "forward"
     events: list[Event] = field(default_factory=list)
     memory: list[StageMemory] = field(default_factory=list)
     wall: float = 0.0  # seconds the whole call took, as the caller saw it

@@ -15,7 +15,7 @@ import weakref
 from functools import partial
 from typing import Callable, Optional
 
-from .schedule import Task, upstream
+from .schedule import Task, timeline, upstream
 from .stage import Stage
 from .trace import Event
 from .transport import Aborted, ThreadTransport, message_key
@@ -83,6 +83,34 @@ def run_schedule(threads: StageThreads, stages: list[Stage], schedule: list[list
         raise
     if failure is not None:
         raise failure
+    return _collect_events(stages, marks, on_event)
+
+
+def run_serially(stages: list[Stage], schedule: list[list[Task]],
+                 on_event: Optional[Callable[[Event], None]] = None) -> list[Event]:
+    """Run every task on the caller's thread, one at a time, in fill-drain order.
+
+    Each task is then timed alone on the host; this is what an ideal replay needs on a host with
+    fewer cores than stages, where concurrent tasks would time each other's sharing.
+    """
+    transport = ThreadTransport(len(stages))
+    marks: list[list] = [[] for _ in stages]
+    unit = timeline(schedule, lambda stage, task: 1.0)
+    order = sorted((start, k, i) for k, times in enumerate(unit) for i, (start, _) in enumerate(times))
+    for _, k, i in order:
+        stage, task = stages[k], schedule[k][i]
+        try:
+            with stage.device.enter():
+                start, end = _run_task(stage, task, transport, stages)
+        except BaseException as exc:
+            raise _name_place(exc, k, task)
+        marks[k].append((task, start, end))
+        if on_event is not None and not stage.device.is_cuda:
+            on_event(Event(k, task.micro, task.op, start, end, str(stage.device.device)))
+    return _collect_events(stages, marks, on_event)
+
+
+def _collect_events(stages: list[Stage], marks: list[list], on_event) -> list[Event]:
     events = [Event(s.index, task.micro, task.op, s.device.seconds(a), s.device.seconds(b), str(s.device.device))
               for s, stage_marks in zip(stages, marks) for task, a, b in stage_marks]
     events.sort(key=lambda e: (e.start, e.stage))
@@ -92,25 +120,32 @@ def run_schedule(threads: StageThreads, stages: list[Stage], schedule: list[list
     return events
 
 
+def _run_task(stage: Stage, task: Task, transport: ThreadTransport, stages: list[Stage]):
+    """Wait for the task's input, run it, hand its output on; return its (start, end) marks."""
+    if upstream(stage.index, task, len(stages)):
+        received = transport.mailboxes[stage.index].get(message_key(task))
+    else:
+        received = None
+    start = stage.device.mark()  # after the input arrived: waiting is idle time, not work
+    message = stage.run(task, received)
+    end = stage.device.mark()
+    if message is not None:  # sent after the end mark: the receiver never starts before it
+        destination, key, value = message
+        transport.send(destination, key, stage.device.send(value, stages[destination].device.device))
+    return start, end
+
+
 def _work(stage: Stage, tasks: list[Task], transport: ThreadTransport, reports: queue.SimpleQueue,
           abort: threading.Event, marks: list, stages: list[Stage], live: bool) -> None:
     """Run one stage's task list for one call, reporting events, completion or failure."""
-    mailbox = transport.mailboxes[stage.index]
-    count = len(stages)
     task = None
     try:
         with stage.device.enter():
             for task in tasks:
                 if abort.is_set():
                     raise Aborted()
-                received = mailbox.get(message_key(task)) if upstream(stage.index, task, count) else None
-                start = stage.device.mark()  # after the input arrived: waiting is idle time, not work
-                message = stage.run(task, received)
-                end = stage.device.mark()
+                start, end = _run_task(stage, task, transport, stages)
                 marks.append((task, start, end))
-                if message is not None:  # sent after the end mark: the receiver never starts before it
-                    destination, key, value = message
-                    transport.send(destination, key, stage.device.send(value, stages[destination].device.device))
                 if live and not stage.device.is_cuda:
                     reports.put(("event", Event(stage.index, task.micro, task.op, start, end, str(stage.device.device))))
         reports.put(("done", None))

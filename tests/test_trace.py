@@ -125,3 +125,26 @@ def test_nothing_stays_held_after_a_step(batch):
     pipe = GPipe(mlp(), 3, chunks=4, checkpoint="except_last")
     pipe.step(x, y, LOSS)
     assert all(stage.ledger.live == 0 for stage in pipe._stages)
+
+
+def test_serial_step_times_each_task_alone_and_gives_the_same_gradients(batch):
+    x, y = batch
+    results = []
+    for serial in (False, True):
+        model = mlp(dropout=0.3)
+        pipe = GPipe(model, 3, chunks=4, seed=1, threads_per_stage=1)
+        pipe.step(x, y, LOSS, serial=serial)
+        results.append([p.grad for p in model.parameters()])
+    assert all(torch.equal(a, b) for a, b in zip(*results))
+    assert pipe.trace.kind == "serial step"
+    events = sorted(pipe.trace.events, key=lambda e: e.start)
+    assert all(a.end <= b.start for a, b in zip(events, events[1:]))  # never two tasks at once
+    assert len(events) == 3 * (4 + 4 + 3)
+
+
+def test_serial_step_names_the_failing_stage(batch):
+    x, y = batch
+    model = mlp()
+    model[7] = nn.Linear(5, 16)
+    with pytest.raises(RuntimeError, match=r"\[stage 2, micro-batch 0, forward"):
+        GPipe(model, 3, chunks=4).step(x, y, LOSS, serial=True)
