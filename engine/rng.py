@@ -13,6 +13,7 @@ Without a user seed, each call's base seed is drawn from torch's own generator, 
 from __future__ import annotations
 
 import threading
+import weakref
 from typing import Callable, Optional, Sequence
 
 import torch
@@ -46,16 +47,29 @@ def has_random_modules(layer: nn.Module) -> bool:
 class StageRandomness(TorchDispatchMode):
     """Dispatch mode giving each (layer, micro-batch) its own seeded generator on the stage's thread.
 
-    The mode costs a Python call per tensor op, so it only wraps layers that draw random numbers:
-    those containing dropout-like modules, and any other layer seen drawing random numbers on a
-    training-mode call. (A custom layer that draws nothing on its first training call but does
-    later is not caught: give it a dropout-like submodule or draw through a dropout module.)
+    The mode costs a Python call per tensor op, so it is switched on only where random numbers
+    are drawn: around each dropout-like submodule (by forward hooks that act only on this stage's
+    worker thread), and around any other layer seen drawing random numbers on a training-mode call.
+    (A custom layer that draws nothing on its first training call but does later is not caught;
+    draw through a dropout-like module instead.)
     """
 
     def __init__(self, layers: Sequence[tuple[int, nn.Module]]):
         super().__init__()
         self.base_seed = 0
-        self._random: dict[int, Optional[bool]] = {i: (True if has_random_modules(m) else None) for i, m in layers}
+        # per layer: "hooked" (its dropout-like submodules switch the mode on), None (not known
+        # yet: run it under the mode and watch), True (draws: run it under the mode), False (never)
+        self._kind: dict[int, object] = {}
+        handles, me = [], weakref.ref(self)
+        for layer_id, layer in layers:
+            random_parts = [m for m in layer.modules() if isinstance(m, _RANDOM_MODULES)]
+            self._kind[layer_id] = "hooked" if random_parts else None
+            for part in random_parts:
+                handles.append(part.register_forward_pre_hook(lambda *_: _hook(me, entering=True)))
+                handles.append(part.register_forward_hook(lambda *_: _hook(me, entering=False)))
+        weakref.finalize(self, _remove, handles)
+        self._thread: Optional[int] = None  # the worker thread inside run(), for the hooks
+        self._depth = 0
         self._key: tuple[int, int] = (0, 0)
         self._generators: dict[torch.device, torch.Generator] = {}
         self._seeded: dict[torch.device, bool] = {}  # generators seeded since the layer started
@@ -67,16 +81,32 @@ class StageRandomness(TorchDispatchMode):
 
     def run(self, layer_id: int, layer: nn.Module, x, micro: int):
         """Run `layer` on micro-batch `micro`, its random ops drawing from the stream of (layer, micro)."""
-        known = self._random[layer_id]
-        if known is False:
+        kind = self._kind[layer_id]
+        if kind is False:
             return layer(x)
         self._key, self._drew = (layer_id, micro), False
         self._seeded.clear()
-        with self:
+        self._thread = threading.get_ident()
+        try:
+            if kind == "hooked":
+                return layer(x)
+            self._switch(on=True)
             out = layer(x)
-        if known is None and (self._drew or layer.training):
-            self._random[layer_id] = self._drew
-        return out
+            if kind is None and (self._drew or layer.training):
+                self._kind[layer_id] = self._drew
+            return out
+        finally:
+            while self._depth:  # also after an exception, when a forward hook never ran
+                self._switch(on=False)
+            self._thread = None
+
+    def _switch(self, on: bool) -> None:
+        if on:
+            self.__enter__()
+            self._depth += 1
+        elif self._depth:
+            self._depth -= 1
+            self.__exit__(None, None, None)
 
     def generator(self, device: torch.device) -> torch.Generator:
         """The generator for the current (layer, micro-batch) on `device`, freshly seeded on first use."""
@@ -101,6 +131,19 @@ class StageRandomness(TorchDispatchMode):
         if handler is None:
             return func(*args, **kwargs)
         return handler(self, func, args, kwargs)
+
+
+def _hook(randomness: weakref.ref, entering: bool) -> None:
+    """Forward (pre-)hook of a dropout-like module: switch its stage's mode on or off, but only
+    when that stage's worker is the one running it."""
+    mode = randomness()
+    if mode is not None and mode._thread == threading.get_ident():
+        mode._switch(on=entering)
+
+
+def _remove(handles) -> None:
+    for handle in handles:
+        handle.remove()
 
 
 # --- routing each random op to a private generator -------------------------------------------

@@ -225,3 +225,49 @@ def test_partitions_are_the_models_own_layers():
     layers = [layer for partition in pipe.partitions for layer in partition]
     assert all(a is b for a, b in zip(layers, model))
     assert {id(p) for p in pipe.parameters()} == {id(p) for p in model.parameters()}
+
+
+def nested_dropout_model():
+    torch.manual_seed(0)
+    blocks = [nn.Sequential(nn.Linear(16, 16), nn.Sequential(nn.Dropout(0.5), nn.ReLU())) for _ in range(4)]
+    return nn.Sequential(*blocks, nn.Linear(16, 3))
+
+
+def test_dropout_nested_inside_blocks_is_bitwise_for_every_partition(batch):
+    x, y = batch
+    reference, _, _ = pipelined_grads(nested_dropout_model, x, y, 1, seed=4)
+    for stages in (2, 5):
+        got, _, _ = pipelined_grads(nested_dropout_model, x, y, stages, seed=4, checkpoint="always")
+        assert_bitwise(got, reference)
+
+
+def test_randomness_hooks_are_inert_outside_the_pipe_and_go_with_it(batch):
+    x, y = batch
+    import gc
+    model = nested_dropout_model()
+    pipe = GPipe(model, 2, chunks=2, seed=0)
+    pipe.step(x, y, LOSS)
+    dropout = model[0][1][0]
+    assert len(dropout._forward_pre_hooks) == 1
+    torch.manual_seed(9)
+    direct = model(x)  # the caller's own forward uses torch's RNG as usual
+    torch.manual_seed(9)
+    assert torch.equal(direct, model(x))
+    del pipe
+    gc.collect()
+    assert len(dropout._forward_pre_hooks) == 0 and len(dropout._forward_hooks) == 0
+
+
+def test_custom_random_layer_is_detected_and_reproducible(batch):
+    class Noise(nn.Module):  # draws with torch.randn_like: no dropout module to recognise
+        def forward(self, t):
+            return t + 0.1 * torch.randn_like(t) if self.training else t
+
+    def model():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(16, 16), Noise(), nn.ReLU(), nn.Linear(16, 16), Noise(), nn.Linear(16, 3))
+
+    x, y = batch
+    reference, _, _ = pipelined_grads(model, x, y, 1, seed=2, steps=2)
+    got, _, _ = pipelined_grads(model, x, y, 3, seed=2, steps=2, checkpoint="always")
+    assert_bitwise(got, reference)
