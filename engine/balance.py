@@ -70,11 +70,16 @@ def layer_times(module: nn.Sequential, sample: Value, repeat: int = 3) -> list[f
     return _per_layer(module, sample, measure)
 
 
-def layer_sizes(module: nn.Sequential, sample: Value, param_scale: float = 2.0) -> list[float]:
-    """Bytes of each layer: activations autograd saves on `sample`, plus param_scale x parameter bytes."""
+def layer_sizes(module: nn.Sequential, sample: Value, param_scale: float = 2.0,
+                count_inputs: bool = True) -> list[float]:
+    """Bytes of each layer: activations autograd saves on `sample`, plus param_scale x parameter bytes.
+
+    With `count_inputs=False` a layer's own input is left out when it saves it: in a chain, that
+    input is the previous layer's output and is counted there (or kept by the stage).
+    """
     def measure(layer: nn.Module, x: Value):
         params = list(layer.parameters())
-        ledger = ActivationLedger(params)
+        ledger = ActivationLedger(params + ([] if count_inputs else list(tensors_of(x))))
         with ledger.saving():
             out = layer(x)
         return ledger.peak + param_scale * sum(p.numel() * p.element_size() for p in params), out

@@ -150,16 +150,15 @@ def conv_block(channels_in: int, channels_out: int, stride: int = 1) -> nn.Seque
 
 
 def build_cnn(blocks: int, width: int, seed: int = 0) -> nn.Sequential:
-    """A stem at full resolution, `blocks` conv blocks whose resolution halves and channels double
-    every other block (so the early ones cost far more), and a classifier head."""
+    """A stem, `blocks` conv blocks of `width` channels, and a classifier head. The first third of
+    the blocks work at 32x32, the next third at 16x16 and the rest at 8x8, so an early block costs
+    4 to 16 times a late one: equal layer counts per stage make very unequal stages."""
     torch.manual_seed(seed)
-    layers, channels, size = [conv_block(1, width)], width, IMAGE
+    layers = [conv_block(1, width)]
     for b in range(blocks):
-        downsample = b % 2 == 1 and size > 4
-        out = channels * 2 if downsample else channels
-        layers.append(conv_block(channels, out, 2 if downsample else 1))
-        channels, size = out, size // 2 if downsample else size
-    layers.append(nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(channels, len(SHAPES))))
+        downsample = b > 0 and b in (blocks // 3, 2 * blocks // 3)
+        layers.append(conv_block(width, width, 2 if downsample else 1))
+    layers.append(nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(width, len(SHAPES))))
     return nn.Sequential(*layers)
 
 

@@ -1,0 +1,235 @@
+"""The GPipe lab in the browser: `streamlit run app.py`.
+
+Every chart is drawn from the real engine running on this machine. This file only lays out the
+page; the work is done by lab/ (which drives engine/).
+"""
+from __future__ import annotations
+
+import time
+
+import streamlit as st
+
+from lab import charts, replay, speedup, theory
+from lab.experiments import BALANCES, RunConfig, RunRecord, check, run
+from lab.models import ZOO
+
+RECOMPUTE = {"on, except the last micro-batch": "except_last", "on, every micro-batch": "always", "off": "never"}
+LIVE_REDRAW_SECONDS = 0.25
+# Width choices per model, capped so that any slider setting runs in seconds on 2 CPU cores.
+# The defaults (the last choices) make ops big enough that two stage threads overlap well.
+WIDTHS = {"mlp": [128, 256, 512, 1024], "transformer": [32, 64, 128], "cnn": [8, 16, 32]}
+BATCHES = {"mlp": [4, 8, 16, 32, 64], "transformer": [4, 8, 16, 32], "cnn": [4, 8, 16, 32, 64]}
+MAX_BLOCKS = {"mlp": 8, "transformer": 6, "cnn": 8}
+
+st.set_page_config(page_title="GPipe lab", layout="wide")
+
+
+_handed_over: dict[RunConfig, RunRecord] = {}  # a record just measured live, on its way into the cache
+
+
+@st.cache_data(max_entries=200, show_spinner=False)
+def measured_run(config: RunConfig) -> RunRecord:
+    """One configuration, measured (and timed task by task for the ideal replay); cached."""
+    record = _handed_over.pop(config, None)
+    return record if record is not None else run(config, replay=True)
+
+
+@st.cache_data(max_entries=200, show_spinner=False)
+def side_run(config: RunConfig, warmup: int) -> RunRecord:
+    """A configuration run only for comparison (K=1 baseline, the other recompute setting); cached."""
+    return run(config, warmup=warmup)
+
+
+@st.cache_data(max_entries=20, show_spinner=False)
+def speedup_cells(config: RunConfig) -> list:
+    return speedup.table(config)
+
+
+@st.cache_data(max_entries=20, show_spinner=False)
+def bubble_points(config: RunConfig) -> list:
+    return speedup.bubble_points(config)
+
+
+def controls() -> RunConfig:
+    side = st.sidebar
+    side.header("Pipeline")
+    model = side.selectbox("model", list(ZOO), index=list(ZOO).index("transformer"), key="model",
+                           format_func=lambda m: f"{m}: {ZOO[m].description}")
+    blocks = side.slider(f"blocks (the model has blocks + {ZOO[model].extra_layers} layers)", 1, MAX_BLOCKS[model], 6,
+                         key=f"blocks-{model}")
+    widths = WIDTHS[model]
+    width = side.select_slider("width", widths, value=widths[-1] if model != "mlp" else 512, key=f"width-{model}")
+    batch = side.select_slider("mini-batch N", BATCHES[model], value=32, key=f"batch-{model}")
+    stages = side.slider("stages K", 1, 8, 2, key="stages")
+    micro = side.slider("micro-batches M", 1, 64, 8, key="micro")
+    recompute = RECOMPUTE[side.radio("re-materialization (recompute)", list(RECOMPUTE), key="recompute")]
+    balance = side.radio("balance", BALANCES, key="balance", format_func={"uniform": "equal layer counts", "time": "by measured time",
+                                                           "size": "by memory"}.get)
+    seed = int(side.number_input("seed", 0, 10_000, 0, key="seed"))
+    return RunConfig(model=model, blocks=blocks, width=width, batch=batch, stages=stages, micro_batches=micro,
+                     checkpoint=recompute, balance=balance, seed=seed)
+
+
+def live_run(config: RunConfig) -> RunRecord:
+    """Run the configuration drawing its warm-up step's Gantt chart as tasks finish, unless this
+    session has run it already (then the cache answers at once). The chart that stays is the next
+    step, measured with nothing drawn meanwhile. Drawing happens outside the cached function, which
+    must not call Streamlit elements; the finished record is handed to the cache."""
+    seen = st.session_state.setdefault("seen", set())
+    if config not in seen:
+        placeholder = st.empty()
+        events, last = [], [0.0]
+
+        def on_event(event) -> None:
+            events.append(event)
+            if time.perf_counter() - last[0] > LIVE_REDRAW_SECONDS:
+                last[0] = time.perf_counter()
+                line = replay.measured([vars_of(e) for e in events], config.stages, "warm-up step, live")
+                placeholder.plotly_chart(charts.gantt(line), key=f"live-{len(events)}")
+
+        _handed_over[config] = run(config, on_event=on_event, replay=True)
+        placeholder.empty()
+        seen.add(config)
+    return measured_run(config)
+
+
+def vars_of(event) -> dict:
+    return {"stage": event.stage, "micro": event.micro, "op": event.op, "start": event.start, "end": event.end}
+
+
+def show_pipeline(record: RunRecord, config: RunConfig) -> None:
+    st.subheader("1 · The pipeline")
+    st.markdown(
+        "Each row is a stage (one device); each bar a task on one micro-batch: **forward**, **recompute** "
+        "(re-materialization rebuilds the activations just before the backward) and **backward**. Blank space "
+        "is idle time, the *bubble*: the pipe fills at the start and drains at the end.")
+    view = st.radio("timeline", ["measured", "ideal replay", "theory"], horizontal=True, key="view",
+                    help="measured: as it ran here. ideal replay: the task times of this step, each timed alone, "
+                         "laid out as if every stage had a device of its own. theory: unit costs, the paper's picture.")
+    for note in record.notes:
+        st.warning(note)
+    st.plotly_chart(charts.gantt(replay.of_record(record, view)), key="gantt")
+
+
+def show_numbers(record: RunRecord, config: RunConfig) -> None:
+    st.subheader("2 · Measured against theory")
+    single = side_run(config.but(stages=1, balance="uniform"), warmup=1)
+    ideal = replay.of_record(record, "ideal replay")
+    cols = st.columns(5)
+    micro = record.micro_batches  # what torch.chunk made of M
+    cols[0].metric("bubble, measured", f"{record.bubble:.0%}",
+                   f"theory (K-1)/(M+K-1) = {theory.bubble(config.stages, micro):.0%}", delta_color="off")
+    cols[1].metric("step time", f"{record.makespan * 1e3:.0f} ms", f"ideal replay {ideal.makespan * 1e3:.0f} ms",
+                   delta_color="off")
+    cols[2].metric("samples/s", f"{record.samples_per_second:,.0f}")
+    cols[3].metric("speedup over K=1 (same M)", f"{single.makespan / record.makespan:.2f}x",
+                   f"replayed {single.makespan / ideal.makespan:.2f}x, ideal "
+                   f"{theory.ideal_speedup(config.stages, micro):.2f}x", delta_color="off")
+    cols[4].metric("loss", f"{record.loss:.3f}")
+    if micro < 4 * config.stages:
+        st.caption(f"Rule of thumb from the paper: M >= 4K, here M >= {4 * config.stages}, makes the bubble negligible.")
+
+
+def show_memory(record: RunRecord, config: RunConfig) -> None:
+    st.subheader("3 · Memory: what re-materialization trades")
+    st.markdown(
+        "Without recompute a stage keeps every layer's activations for all M micro-batches in flight. "
+        "With it, a stage keeps only each micro-batch's input and rebuilds one micro-batch's activations "
+        "at a time: activation memory drops from O(N·L) to O(N + (L/K)·(N/M)). The bars are peaks measured "
+        "from the tensors autograd saved; the dashes are the formula, fed with per-layer sizes measured on "
+        "one micro-batch.")
+    # memory needs no warm-up: the other recompute setting is one cheap extra step
+    if record.config["checkpoint"] == "never":
+        never, recomputed = record, side_run(config.but(checkpoint="always"), warmup=0)
+    else:
+        never, recomputed = side_run(config.but(checkpoint="never"), warmup=0), record
+    rows = [{"measured_never": a["activation_peak_bytes"], "measured_recompute": b["activation_peak_bytes"],
+             "predicted_never": a["predicted_activation_bytes"], "predicted_recompute": b["predicted_activation_bytes"]}
+            for a, b in zip(never.memory, recomputed.memory)]
+    st.plotly_chart(charts.memory_chart(rows, f"Activation memory per stage: recompute off vs "
+                                              f"{recomputed.config['checkpoint']}"), key="memory")
+    extra = sum(e["end"] - e["start"] for e in recomputed.events if e["op"] == "R")
+    st.caption(f"The price: recompute tasks took {extra * 1e3:.0f} ms of stage time in that step "
+               f"({extra / max(sum(e['end'] - e['start'] for e in recomputed.events), 1e-9):.0%} of all work).")
+
+
+def show_bubble(record: RunRecord, config: RunConfig) -> None:
+    st.subheader("4 · More micro-batches, smaller bubble")
+    points = [(record.micro_batches, record.bubble)]
+    if st.button("measure the curve at M = 1, 2, 4, ... 32", key="measure_bubble"):
+        points = [(m, b) for m, b, _ in bubble_points(config)]
+    st.plotly_chart(charts.bubble_curve(config.stages, points, label="this host"), key="bubble")
+
+
+def show_speedup(config: RunConfig) -> None:
+    st.subheader("5 · The paper's Table 2 beside this host")
+    st.markdown(
+        "Speedup over one device for a Transformer on TPUs (Huang et al., Table 2). At M = 1 more devices barely "
+        "help; with M = 32 the speedup approaches K. Cells this host can run with one core per stage are "
+        "measured; the others are ideal replays of task times measured one at a time, and say so.")
+    left, right = st.columns(2)
+    left.dataframe(charts.paper_table(), width="stretch")
+    if right.button("measure this table on this host (K = 1, 2, 4, 8; M = 1, 4, 32)", key="measure_speedup"):
+        cells = speedup_cells(config)
+        table = charts.speedup_table({(c.stages, c.micro_batches): (c.vs_single, c.how) for c in cells if c.stages > 1})
+        right.dataframe(table, width="stretch", hide_index=True)
+
+
+def show_compare(record: RunRecord, config: RunConfig) -> None:
+    st.subheader("6 · Compare runs")
+    pinned = st.session_state.setdefault("pinned", [])
+    left, right = st.columns([1, 4])
+    if left.button("pin this run", key="pin"):
+        pinned.append((f"K={config.stages}, M={config.micro_batches}, {config.checkpoint}, {config.model}", record))
+    if pinned and left.button("clear pins", key="clear_pins"):
+        pinned.clear()
+    right.caption("Pin runs with different settings (say M = 1 and M = 16) to see them side by side.")
+    for start in range(0, len(pinned), 2):
+        for column, (label, pinned_record) in zip(st.columns(2), pinned[start:start + 2]):
+            column.plotly_chart(charts.gantt(replay.of_record(pinned_record, "measured"), title=label),
+                                key=f"pin-{start}-{label}")
+            column.caption(f"bubble {pinned_record.bubble:.0%} · step {pinned_record.makespan * 1e3:.0f} ms · "
+                           f"{pinned_record.samples_per_second:,.0f} samples/s")
+
+
+def show_downloads(record: RunRecord) -> None:
+    st.subheader("7 · Take the trace with you")
+    frame = charts.pd.DataFrame(record.events)
+    left, right = st.columns(2)
+    left.download_button("trace as Chrome-trace JSON (opens in ui.perfetto.dev)", chrome_trace(record),
+                         file_name="gpipe-trace.json", mime="application/json")
+    right.download_button("events as CSV", frame.to_csv(index=False), file_name="gpipe-events.csv", mime="text/csv")
+
+
+def chrome_trace(record: RunRecord) -> str:
+    from engine.trace import Event, Trace
+    trace = Trace(stages=record.stages, events=[Event(**e) for e in record.events])
+    return trace.to_chrome_trace()
+
+
+def main() -> None:
+    st.title("GPipe lab")
+    st.markdown(
+        "Cut a model into **K** stages, one per device, split each mini-batch into **M** micro-batches and stream "
+        "them through: that is GPipe. Move the sliders; every chart below comes from the real pipeline engine "
+        "running on this machine.")
+    config = controls()
+    try:
+        check(config)
+    except ValueError as error:
+        st.error(f"This combination cannot run: {error}")
+        return
+    try:
+        record = live_run(config)
+        show_pipeline(record, config)
+        show_numbers(record, config)
+        show_memory(record, config)
+        show_bubble(record, config)
+        show_speedup(config)
+        show_compare(record, config)
+        show_downloads(record)
+    except (RuntimeError, MemoryError) as error:
+        st.error(f"The run failed: {error}. Try a smaller model, batch or K.")
+
+
+main()

@@ -1,0 +1,109 @@
+"""Plotly figures shared by the app and the notebooks. Every builder returns a go.Figure whose
+data says what it shows (traces named by what they are), so tests can read the figure back."""
+from __future__ import annotations
+
+from typing import Iterable, Optional, Sequence
+
+import pandas as pd
+import plotly.graph_objects as go
+
+from . import theory
+from .replay import Timeline
+
+OPS = {"F": ("forward", "#4C78A8"), "R": ("recompute", "#F58518"), "B": ("backward", "#54A24B")}
+MIB = 2 ** 20
+
+
+def stage_names(stages: int) -> list[str]:
+    return [f"stage {k}" for k in range(stages)]
+
+
+def gantt(timeline: Timeline, title: Optional[str] = None, height: Optional[int] = None) -> go.Figure:
+    """Per-stage Gantt chart: one horizontal-bar trace per op (forward, recompute, backward), each
+    bar labelled with its micro-batch; empty stretches are the idle time (the bubble)."""
+    figure = go.Figure()
+    scale = 1000.0 if timeline.unit == "s" else 1.0
+    unit = "ms" if timeline.unit == "s" else timeline.unit
+    for op, (name, color) in OPS.items():
+        bars = [b for b in timeline.bars if b.op == op]
+        if not bars:
+            continue
+        figure.add_trace(go.Bar(
+            name=name, orientation="h", marker_color=color, marker_line_width=0.5, marker_line_color="white",
+            y=[f"stage {b.stage}" for b in bars], base=[b.start * scale for b in bars],
+            x=[(b.end - b.start) * scale for b in bars], text=[str(b.micro) for b in bars],
+            customdata=[b.micro for b in bars], textposition="inside", insidetextanchor="middle",
+            hovertemplate=f"{name} of micro-batch %{{customdata}}<br>%{{base:.2f}} to %{{x:.2f}} {unit} long"
+                          "<extra>%{y}</extra>"))
+    default_title = (f"{timeline.label}: makespan {timeline.makespan * scale:.1f} {unit}, "
+                     f"bubble {timeline.bubble:.0%}")
+    figure.update_layout(
+        title=title or default_title, barmode="overlay", bargap=0.25, legend_title_text="task",
+        xaxis_title=f"time ({unit})", height=height or 120 + 40 * timeline.stages,
+        yaxis=dict(categoryorder="array", categoryarray=stage_names(timeline.stages)[::-1]),
+        margin=dict(l=10, r=10, t=50, b=40))
+    return figure
+
+
+def memory_chart(rows: Sequence[dict], title: str = "Activation memory per stage") -> go.Figure:
+    """Measured activation peaks per stage without and with recompute, and the formula's values.
+
+    `rows` has one dict per stage with keys measured_never, measured_recompute, predicted_never,
+    predicted_recompute (bytes)."""
+    names = stage_names(len(rows))
+    figure = go.Figure()
+    for key, name, color in (("measured_never", "measured, no recompute", "#9D755D"),
+                             ("measured_recompute", "measured, recompute", "#F58518")):
+        figure.add_trace(go.Bar(name=name, x=names, y=[r[key] / MIB for r in rows], marker_color=color))
+    for key, name in (("predicted_never", "formula N*(input + L/K layers)"),
+                      ("predicted_recompute", "formula N*input + (L/K)(N/M) layers")):
+        figure.add_trace(go.Scatter(name=name, x=names, y=[r[key] / MIB for r in rows], mode="markers",
+                                    marker=dict(symbol="line-ew-open", size=40, line_width=3, color="#333")))
+    figure.update_layout(title=title, barmode="group", yaxis_title="MiB", margin=dict(l=10, r=10, t=50, b=40))
+    return figure
+
+
+def bubble_curve(stages: int, points: Iterable[tuple[int, float]] = (), max_micro_batches: int = 64,
+                 label: str = "measured") -> go.Figure:
+    """The bubble (K-1)/(M+K-1) against M, with measured points and the M = 4K rule marked."""
+    ms = list(range(1, max_micro_batches + 1))
+    figure = go.Figure(go.Scatter(name=f"theory (K-1)/(M+K-1), K={stages}", x=ms,
+                                  y=[theory.bubble(stages, m) for m in ms], mode="lines"))
+    points = list(points)
+    if points:
+        figure.add_trace(go.Scatter(name=label, x=[m for m, _ in points], y=[b for _, b in points],
+                                    mode="markers", marker=dict(size=11, color="#E45756")))
+    rule = theory.micro_batches_for_small_bubble(stages)
+    figure.add_vline(x=rule, line_dash="dot", annotation_text=f"M = 4K = {rule}")
+    figure.update_layout(title=f"Bubble fraction vs micro-batches (K={stages})", xaxis_title="M (micro-batches)",
+                         yaxis_title="bubble", yaxis_tickformat=".0%", yaxis_range=[0, 1],
+                         margin=dict(l=10, r=10, t=50, b=40))
+    return figure
+
+
+def speedup_table(cells: dict[tuple[int, int], tuple[float, str]]) -> pd.DataFrame:
+    """The paper's Table 2 layout: one row per (K, M) with the paper's speedup, the ideal
+    K*M/(M+K-1) and this host's value with how it was obtained ("measured" or "ideal replay")."""
+    rows = []
+    for (stages, micro), (value, how) in sorted(cells.items()):
+        rows.append({"K": stages, "M": micro, "paper (TPU)": theory.PAPER_SPEEDUP.get((stages, micro)),
+                     "ideal K*M/(M+K-1)": round(theory.ideal_speedup(stages, micro), 2),
+                     "this host": round(value, 2), "how": how})
+    return pd.DataFrame(rows)
+
+
+def paper_table() -> pd.DataFrame:
+    """Table 2 of the paper as a K x M grid (rows M = 1, 4, 32; columns K = 2, 4, 8)."""
+    grid = {f"K={k}": [theory.PAPER_SPEEDUP[(k, m)] for m in (1, 4, 32)] for k in (2, 4, 8)}
+    return pd.DataFrame(grid, index=[f"M={m}" for m in (1, 4, 32)])
+
+
+def lines(series: dict[str, Sequence[float]], title: str, x_title: str, y_title: str,
+          x: Optional[Sequence] = None) -> go.Figure:
+    """One line per named series (loss curves, memory against model size, ...)."""
+    figure = go.Figure()
+    for name, values in series.items():
+        figure.add_trace(go.Scatter(name=name, x=list(x) if x is not None else list(range(len(values))),
+                                    y=list(values), mode="lines+markers"))
+    figure.update_layout(title=title, xaxis_title=x_title, yaxis_title=y_title, margin=dict(l=10, r=10, t=50, b=40))
+    return figure

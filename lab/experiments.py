@@ -1,0 +1,252 @@
+"""Run one pipeline configuration through the engine and keep what it measured as a plain record.
+
+A record holds only plain data (dicts, lists, numbers), so the app can cache it, a notebook can
+tabulate it and the reproduction CLI can write it to CSV.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field, replace
+from typing import Callable, Iterable, Optional
+
+import torch
+from torch import nn
+
+from engine import GPipe, balance_by_size, balance_by_time
+from engine.balance import layer_sizes
+from engine.device import cpu_cores
+from engine.microbatch import tensors_of
+from engine.schedule import CHECKPOINT_MODES
+
+from . import host, models, theory
+
+BALANCES = ("uniform", "time", "size")
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """One point of the lab: which model, how big, and how it is pipelined."""
+
+    model: str = "transformer"
+    blocks: int = 6              # blocks of the zoo model; the pipeline sees blocks + extra layers
+    width: int = 64
+    batch: int = 32              # N, the mini-batch
+    stages: int = 4              # K
+    micro_batches: int = 8       # M
+    checkpoint: str = "except_last"
+    balance: str = "uniform"     # uniform (by layer count), time or size
+    seed: int = 0
+    device: str = "cpu"          # "cpu": every stage on the CPU; "cuda": stages spread over the GPUs
+    threads_per_stage: int = 1   # on CPU: one core per stage, as the paper has one chip per stage
+
+    @property
+    def layers(self) -> int:
+        return models.get(self.model).layer_count(self.blocks)
+
+    def but(self, **changes) -> "RunConfig":
+        """A copy with some fields changed."""
+        return replace(self, **changes)
+
+
+@dataclass
+class RunRecord:
+    """What one run measured, as plain data."""
+
+    config: dict
+    balance: list[int]
+    kind: str                        # "measured" (threads) or "measured alone" (serial step)
+    events: list[dict]               # stage, micro, op, start, end, device
+    memory: list[dict]               # per stage: bytes of params, grads, activation peak, prediction
+    makespan: float
+    bubble: float
+    samples_per_second: float
+    loss: float
+    wall: float
+    host: dict
+    solo_events: Optional[list[dict]] = None   # the same step run one task at a time, for replays
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def stages(self) -> int:
+        return len(self.balance)
+
+    @property
+    def micro_batches(self) -> int:
+        return max(e["micro"] for e in self.events) + 1
+
+
+def check(config: RunConfig) -> None:
+    """Raise ValueError with a message a learner can act on if the configuration cannot run."""
+    models.get(config.model)
+    if config.blocks < 1 or config.width < 1 or config.batch < 1:
+        raise ValueError("blocks, width and batch must all be at least 1")
+    if config.threads_per_stage < 1:
+        raise ValueError(f"threads_per_stage={config.threads_per_stage}: expected at least 1")
+    if config.stages < 1:
+        raise ValueError(f"K={config.stages}: a pipeline needs at least one stage")
+    if config.stages > config.layers:
+        raise ValueError(f"K={config.stages} stages but the {config.model} has only {config.layers} layers "
+                         f"({config.blocks} blocks + {config.layers - config.blocks}): use K <= {config.layers} "
+                         f"or more blocks")
+    if not 1 <= config.micro_batches <= config.batch:
+        raise ValueError(f"M={config.micro_batches} micro-batches cannot be cut from a mini-batch of N={config.batch}: "
+                         f"use 1 <= M <= N")
+    if config.checkpoint not in CHECKPOINT_MODES:
+        raise ValueError(f"checkpoint={config.checkpoint!r}: expected one of {CHECKPOINT_MODES}")
+    if config.balance not in BALANCES:
+        raise ValueError(f"balance={config.balance!r}: expected one of {BALANCES}")
+    if config.device not in ("cpu", "cuda"):
+        raise ValueError(f"device={config.device!r}: expected 'cpu' or 'cuda'")
+    if config.device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device='cuda' but this host has no CUDA GPU (torch.cuda.is_available() is False)")
+
+
+def parallel_devices(config: RunConfig) -> int:
+    """How many stages this host can really run at once: its GPUs, or its cores at one per stage."""
+    if config.device == "cuda":
+        return torch.cuda.device_count()
+    return max(1, cpu_cores() // config.threads_per_stage)
+
+
+def devices_for(config: RunConfig) -> list[str]:
+    """One device per stage: all "cpu", or round-robin over the GPUs."""
+    if config.device == "cpu":
+        return ["cpu"] * config.stages
+    count = torch.cuda.device_count()
+    return [f"cuda:{k % count}" for k in range(config.stages)]
+
+
+def build(config: RunConfig) -> tuple[nn.Sequential, tuple, Callable]:
+    """The model, one mini-batch (inputs, targets) and the loss function of a configuration."""
+    zoo = models.get(config.model)
+    model = zoo.build(config.blocks, config.width, config.seed)
+    return model, zoo.batch(config.batch, config.width, config.seed), zoo.loss_fn
+
+
+def micro_sample(inputs, config: RunConfig):
+    """A copy of the first micro-batch of `inputs`, the sample a balance is profiled on."""
+    return tensors_of(inputs)[0].chunk(config.micro_batches)[0].clone()
+
+
+def choose_balance(config: RunConfig, model: nn.Sequential, inputs) -> list[int]:
+    """Layers per stage: equal counts, or balanced by measured time or memory."""
+    if config.balance == "uniform":
+        return config.stages
+    sample = micro_sample(inputs, config)
+    if config.balance == "time":
+        return balance_by_time(config.stages, model, sample)
+    return balance_by_size(config.stages, model, sample)
+
+
+def run(config: RunConfig, on_event: Optional[Callable] = None, replay: bool = False,
+        warmup: int = 1) -> RunRecord:
+    """Build the configuration, run `warmup` unrecorded steps, then one measured step.
+
+    `on_event` receives the events of the first warm-up step as its tasks finish (for a live
+    view); the measured step runs unobserved, since drawing while it runs would take CPU time
+    from the stages and show up in the very timings being drawn.
+
+    With `replay=True`, when the host cannot run all K stages at once, the same step is also run
+    one task at a time (`serial=True`): those task times, not the ones stretched by sharing, are
+    what an ideal replay lays onto K independent devices.
+    """
+    check(config)
+    model, (inputs, targets), loss_fn = build(config)
+    pipe = GPipe(model, choose_balance(config, model, inputs), devices=devices_for(config),
+                 chunks=config.micro_batches, checkpoint=config.checkpoint, seed=config.seed,
+                 deferred_batch_norm=True, threads_per_stage=config.threads_per_stage)
+    try:
+        for step in range(warmup):
+            pipe.step(inputs, targets, loss_fn, on_event=on_event if step == 0 else None)
+        start = time.perf_counter()
+        loss = pipe.step(inputs, targets, loss_fn).item()
+        wall = time.perf_counter() - start
+        trace = pipe.trace
+        solo = None
+        if replay and config.stages > parallel_devices(config):
+            pipe.step(inputs, targets, loss_fn, serial=True)
+            solo = pipe.trace.to_records()
+        predicted = predicted_activation_bytes(config, model, inputs, pipe.balance)
+    finally:
+        pipe.close()
+    notes = []
+    effective = len(tensors_of(inputs)[0].chunk(config.micro_batches))
+    if effective != config.micro_batches:
+        notes.append(f"torch.chunk cuts N={config.batch} into {effective} micro-batches, not M={config.micro_batches} "
+                     f"(pieces of {-(-config.batch // config.micro_batches)}): the pipeline ran M={effective}.")
+    if config.stages > parallel_devices(config):
+        notes.append(f"{config.stages} stages share {parallel_devices(config)} {config.device.upper()} "
+                     f"device(s) here: measured tasks stretch while they wait for one. "
+                     f"The ideal replay shows K separate devices.")
+    return RunRecord(
+        config=asdict(config), balance=list(pipe.balance), kind="measured", events=trace.to_records(),
+        memory=[dict(asdict(m), predicted_activation_bytes=p) for m, p in zip(trace.memory, predicted)],
+        makespan=trace.makespan, bubble=trace.bubble, samples_per_second=trace.samples_per_second,
+        loss=loss, wall=wall, host=host.describe(), solo_events=solo, notes=notes)
+
+
+def predicted_activation_bytes(config: RunConfig, model: nn.Sequential, inputs, balance: list[int]) -> list[float]:
+    """Per stage, the activation peak that the O(N + (L/K)(N/M)) model predicts (or O(N*L/K)
+    without recompute), from per-layer bytes measured on one micro-batch."""
+    sample = micro_sample(inputs, config)
+    samples = sample.shape[0]
+    saved = [b / samples for b in layer_sizes(model, sample, param_scale=0.0, count_inputs=False)]
+    inputs_per_sample = boundary_bytes(model, sample)
+    recompute = config.checkpoint != "never"
+    predictions, first = [], 0
+    for count in balance:
+        predictions.append(theory.stage_activation_bytes(
+            saved[first:first + count], inputs_per_sample[first], config.batch, config.micro_batches, recompute))
+        first += count
+    return predictions
+
+
+@torch.no_grad()
+def boundary_bytes(model: nn.Sequential, sample) -> list[float]:
+    """Bytes per sample of each layer's input (what a stage starting there keeps per micro-batch)."""
+    sizes, x = [], sample
+    was_training = model.training
+    model.eval()
+    try:
+        for layer in model:
+            sizes.append(sum(t.numel() * t.element_size() for t in tensors_of(x)) / tensors_of(x)[0].shape[0])
+            x = layer(x)
+    finally:
+        model.train(was_training)
+    return sizes
+
+
+def sweep(configs: Iterable[RunConfig], progress: Optional[Callable[[RunRecord], None]] = None,
+          **options) -> list[RunRecord]:
+    """Run several configurations in turn; `progress` is called after each."""
+    records = []
+    for config in configs:
+        records.append(run(config, **options))
+        if progress is not None:
+            progress(records[-1])
+    return records
+
+
+def train(config: RunConfig, steps: int, lr: float = 3e-3) -> list[float]:
+    """Train the configuration's model with Adam for `steps` steps through the pipeline; the losses.
+
+    Each step draws a fresh mini-batch (seeded by step), so the curve is a real training curve.
+    """
+    check(config)
+    zoo = models.get(config.model)
+    model = zoo.build(config.blocks, config.width, config.seed)
+    inputs, _ = zoo.batch(config.batch, config.width, config.seed)
+    pipe = GPipe(model, choose_balance(config, model, inputs), devices=devices_for(config),
+                 chunks=config.micro_batches, checkpoint=config.checkpoint, seed=config.seed,
+                 deferred_batch_norm=True, threads_per_stage=config.threads_per_stage)
+    optimizer = torch.optim.Adam(pipe.parameters(), lr=lr)
+    losses = []
+    try:
+        for step in range(steps):
+            x, y = zoo.batch(config.batch, config.width, config.seed + 1 + step)
+            optimizer.zero_grad()
+            losses.append(pipe.step(x, y, zoo.loss_fn).item())
+            optimizer.step()
+    finally:
+        pipe.close()
+    return losses

@@ -1,0 +1,143 @@
+"""The Streamlit app, driven with AppTest: charts are checked through their figure data."""
+import json
+from pathlib import Path
+
+import pytest
+import streamlit as st
+from streamlit.testing.v1 import AppTest
+
+APP = str(Path(__file__).resolve().parent.parent / "app.py")
+
+
+@pytest.fixture
+def app():
+    st.cache_data.clear()
+    at = AppTest.from_file(APP, default_timeout=120)
+    yield at
+    st.cache_data.clear()
+
+
+def small(at, **values):
+    """Choose a small, fast configuration (and any other values), then run."""
+    settings = dict(model="mlp", batch=16, stages=3, micro=4, width=128)
+    settings.update(values)
+    model = settings.pop("model")
+    if at.selectbox(key="model").value != model:
+        at.selectbox(key="model").set_value(model).run()  # its own width slider appears with it
+    for key, value in settings.items():
+        widget = {"recompute": at.radio, "balance": at.radio, "view": at.radio}.get(key)
+        if key in ("batch", "width", "blocks"):
+            key = f"{key}-{model}"
+        (widget(key=key) if widget else find_slider(at, key)).set_value(value)
+    return at.run()
+
+
+def find_slider(at, key):
+    for finder in (at.slider, at.select_slider):
+        try:
+            return finder(key=key)
+        except KeyError:
+            continue
+    raise KeyError(key)
+
+
+def gantt(at):
+    spec = json.loads(at.get("plotly_chart")[0].proto.spec)
+    bars = {trace["name"]: trace for trace in spec["data"]}
+    return spec, bars
+
+
+def test_defaults_run_and_draw_the_measured_gantt(app):
+    app.run()
+    assert not app.exception and not app.error
+    spec, bars = gantt(app)
+    stages, micro = 2, 8  # the defaults
+    assert {y for trace in bars.values() for y in trace["y"]} == {f"stage {k}" for k in range(stages)}
+    assert len(bars["forward"]["x"]) == stages * micro
+    assert len(bars["backward"]["x"]) == stages * micro
+    assert len(bars["recompute"]["x"]) == stages * (micro - 1)  # except_last is the default
+    assert spec["layout"]["title"]["text"].startswith("measured")
+    assert len(app.get("plotly_chart")) >= 3  # gantt, memory, bubble curve
+    assert len(app.get("download_button")) == 2
+
+
+@pytest.mark.parametrize("stages,micro,recompute,r_bars", [
+    (2, 6, "off", 0),
+    (3, 4, "on, every micro-batch", 12),
+    (5, 3, "on, except the last micro-batch", 10),
+])
+def test_sliders_rerun_the_pipeline(app, stages, micro, recompute, r_bars):
+    app.run()
+    small(app, stages=stages, micro=micro, recompute=recompute)
+    assert not app.exception and not app.error
+    _, bars = gantt(app)
+    assert {y for trace in bars.values() for y in trace["y"]} == {f"stage {k}" for k in range(stages)}
+    assert len(bars["forward"]["x"]) == stages * micro and len(bars["backward"]["x"]) == stages * micro
+    assert len(bars.get("recompute", {"x": []})["x"]) == r_bars
+
+
+def test_replay_and_theory_views(app):
+    app.run()
+    small(app, view="ideal replay")
+    spec, bars = gantt(app)
+    assert spec["layout"]["title"]["text"].startswith("ideal replay") and len(bars["forward"]["x"]) == 12
+    small(app, view="theory")
+    spec, bars = gantt(app)
+    assert spec["layout"]["title"]["text"].startswith("theory")
+    assert "time units" in spec["layout"]["xaxis"]["title"]["text"]
+
+
+@pytest.mark.parametrize("values,words", [
+    (dict(model="mlp", blocks=2, stages=5), "K=5 stages but the mlp has only 2 layers"),
+    (dict(batch=4, micro=8), "M=8 micro-batches cannot be cut from a mini-batch of N=4"),
+])
+def test_invalid_combinations_show_an_error_not_a_traceback(app, values, words):
+    app.run()
+    small(app, **values)
+    assert not app.exception
+    assert any(words in e.value for e in app.error)
+    assert not app.get("plotly_chart")
+
+
+def test_pinned_runs_are_shown_side_by_side(app):
+    app.run()
+    small(app, micro=1)
+    app.button(key="pin").click().run()
+    small(app, micro=8)
+    app.button(key="pin").click().run()
+    titles = [json.loads(c.proto.spec)["layout"]["title"]["text"] for c in app.get("plotly_chart")]
+    assert "K=3, M=1, except_last, mlp" in titles and "K=3, M=8, except_last, mlp" in titles
+    assert not app.exception
+
+
+def test_micro_batches_that_torch_chunk_cannot_make_are_explained(app):
+    app.run()
+    small(app, batch=16, micro=5)  # torch.chunk(16 samples, 5) gives 4 pieces of 4
+    _, bars = gantt(app)
+    assert len(bars["forward"]["x"]) == 3 * 4
+    assert any("the pipeline ran M=4" in w.value for w in app.warning)
+
+
+def test_more_stages_than_cores_points_to_the_replay(app):
+    app.run()
+    small(app, stages=8, micro=8, blocks=8, view="ideal replay")
+    assert not app.exception
+    assert any("ideal replay" in w.value for w in app.warning)
+    spec, _ = gantt(app)
+    assert spec["layout"]["title"]["text"].startswith("ideal replay of tasks timed alone")
+
+
+def test_sweeps_fill_the_bubble_curve_and_the_speedup_table(app):
+    app.run()
+    small(app, batch=32, blocks=8)
+    app.button(key="measure_bubble").click().run()
+    curves = [json.loads(c.proto.spec) for c in app.get("plotly_chart")]
+    bubble = next(s for s in curves if s["layout"]["title"]["text"].startswith("Bubble"))
+    measured = next(t for t in bubble["data"] if t["name"] == "this host")
+    assert measured["x"] == [1, 2, 4, 8, 16, 32]
+    app.button(key="measure_speedup").click().run()
+    assert not app.exception
+    table = app.dataframe[-1].value
+    assert list(table.columns) == ["K", "M", "paper (TPU)", "ideal K*M/(M+K-1)", "this host", "how"]
+    assert set(table["how"]) <= {"measured", "ideal replay"}
+    assert set(table.loc[table["K"] > 2, "how"]) == {"ideal replay"}  # this host has 2 cores

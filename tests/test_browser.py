@@ -1,0 +1,86 @@
+"""The app in a real headless Chromium: it renders the Gantt chart and reacts to the M slider."""
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
+GANTT = "document.querySelector('.js-plotly-plot')"
+FINAL_GANTT_READY = f"() => {{ const p = {GANTT}; return p && p.layout && p.layout.title && " \
+                    "p.layout.title.text.includes('measured:'); }"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server():
+    port = free_port()
+    log = open(os.devnull, "w")
+    process = subprocess.Popen(
+        [sys.executable, "-m", "streamlit", "run", str(ROOT / "app.py"), "--server.headless", "true",
+         "--server.address", "127.0.0.1", "--server.port", str(port), "--browser.gatherUsageStats", "false"],
+        cwd=ROOT, stdout=log, stderr=log)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 90
+        while True:
+            try:
+                if urllib.request.urlopen(f"{url}/_stcore/health", timeout=2).read() == b"ok":
+                    break
+            except OSError:
+                pass
+            assert process.poll() is None, "streamlit exited during start-up"
+            assert time.monotonic() < deadline, "streamlit did not become healthy within 90 s"
+            time.sleep(0.5)
+        yield url
+    finally:
+        process.terminate()
+        try:
+            process.wait(15)
+        except subprocess.TimeoutExpired:
+            process.kill()
+        log.close()
+
+
+@pytest.mark.timeout(240)
+def test_app_renders_and_the_m_slider_redraws_the_gantt(server, tmp_path):
+    playwright = pytest.importorskip("playwright.sync_api")
+    assert Path(CHROMIUM).exists(), "Debian chromium is missing: apt-get install -y chromium"
+    with playwright.sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM,
+                                    args=["--no-sandbox", "--disable-gpu", "--disable-background-networking"])
+        try:
+            page = browser.new_page(viewport={"width": 1500, "height": 1100})
+            page.goto(server)
+            page.wait_for_function(FINAL_GANTT_READY, timeout=120_000)
+            counts = page.evaluate(f"() => Object.fromEntries({GANTT}.data.map(t => [t.name, t.x.length]))")
+            assert counts == {"forward": 16, "recompute": 14, "backward": 16}  # defaults: K=2, M=8
+            page.screenshot(path=str(tmp_path / "app.png"))
+
+            slider = page.locator("[data-testid='stSlider'] input[type='range'][aria-label='micro-batches M']")
+            assert slider.input_value() == "8"
+            slider.focus()
+            for _ in range(3):  # M = 11: torch.chunk cuts N=32 into 11 pieces (8 and 9 would too; 10 would not)
+                page.keyboard.press("ArrowRight")
+            page.wait_for_function(
+                f"() => {{ const p = {GANTT}; return p && p.layout.title.text.includes('measured:') && "
+                "p.data[0].x.length === 22; }", timeout=120_000)  # K=2 stages x M=11 forwards
+            assert slider.input_value() == "11"
+            page.locator("[data-testid='stStatusWidget']").wait_for(state="detached", timeout=120_000)
+            assert page.locator("[data-testid='stException']").count() == 0
+            page.screenshot(path=str(tmp_path / "app-m11.png"))
+            if os.environ.get("GPIPE_LAB_SCREENSHOT"):  # how docs/app.png was made
+                shutil.copy(tmp_path / "app-m11.png", os.environ["GPIPE_LAB_SCREENSHOT"])
+        finally:
+            browser.close()

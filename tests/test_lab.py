@@ -1,0 +1,135 @@
+"""lab/: theory against hand values, replays against theory, chart builders, experiments, models."""
+import pytest
+import torch
+
+from lab import charts, experiments, models, replay, theory
+from lab.experiments import RunConfig
+
+
+def test_theory_by_hand():
+    assert theory.bubble(4, 1) == pytest.approx(0.75)
+    assert theory.bubble(4, 16) == pytest.approx(3 / 19)
+    assert theory.bubble(1, 7) == 0
+    assert theory.utilization(4, 8) == pytest.approx(8 / 11)
+    assert theory.ideal_speedup(2, 32) == pytest.approx(64 / 33)
+    assert theory.ideal_speedup(8, 1) == pytest.approx(1.0)
+    assert theory.micro_batches_for_small_bubble(4) == 16
+    assert theory.PAPER_SPEEDUP[(8, 32)] == 6.3 and theory.PAPER_SPEEDUP[(4, 1)] == 1.07
+
+
+def test_activation_memory_model():
+    # 8 layers of 100 bytes per sample, inputs of 10 bytes, N = 64, K = 4, M = 8
+    without = theory.activation_bytes(64, 8, 4, 8, 100, 10, recompute=False)
+    with_recompute = theory.activation_bytes(64, 8, 4, 8, 100, 10, recompute=True)
+    assert without == 64 * (10 + 2 * 100)
+    assert with_recompute == 64 * 10 + 2 * 8 * 100
+    # one device without recompute grows with N * L; recompute with K=1 is O(N + L*N/M)
+    assert theory.activation_bytes(64, 8, 1, 1, 100, 10, False) == 64 * (10 + 800)
+
+
+@pytest.mark.parametrize("stages,micro", [(2, 1), (4, 4), (4, 16), (8, 32)])
+def test_theory_timeline_has_the_formula_bubble(stages, micro):
+    line = replay.theory(stages, micro)
+    assert line.bubble == pytest.approx(theory.bubble(stages, micro))
+    assert line.makespan == 3 * (stages + micro - 1)  # F=1 then B=2, K+M-1 cycles each way
+
+
+def test_replay_of_uniform_measured_tasks_reproduces_the_theory_bubble():
+    # a "measured" run whose tasks all took the same time but ran stretched and shuffled
+    stages, micro = 4, 8
+    events = [dict(stage=k, micro=m, op=op, start=100.0 * k + m, end=100.0 * k + m + (2.0 if op == "B" else 1.0))
+              for k in range(stages) for m in range(micro) for op in ("F", "B")]
+    line = replay.ideal_replay(events, stages, micro, "never")
+    assert line.bubble == pytest.approx(theory.bubble(stages, micro))
+    assert line.label == "ideal replay"
+
+
+def test_gantt_has_one_trace_per_op_and_one_bar_per_task():
+    figure = charts.gantt(replay.theory(3, 4, "always"))
+    bars = {trace.name: trace for trace in figure.data}
+    assert set(bars) == {"forward", "recompute", "backward"}
+    assert all(len(bars[name].x) == 12 for name in bars)
+    assert set(bars["forward"].y) == {"stage 0", "stage 1", "stage 2"}
+    assert sorted(bars["forward"].text) == sorted(str(m) for m in list(range(4)) * 3)
+    assert all(x > 0 for x in bars["backward"].x)
+    assert "bubble" in figure.layout.title.text
+    no_recompute = charts.gantt(replay.theory(3, 4, "never"))
+    assert [t.name for t in no_recompute.data] == ["forward", "backward"]
+
+
+def test_other_charts():
+    curve = charts.bubble_curve(4, [(8, 0.3)], max_micro_batches=16)
+    assert len(curve.data[0].x) == 16 and list(curve.data[1].x) == [8]
+    memory = charts.memory_chart([dict(measured_never=4e6, measured_recompute=1e6, predicted_never=4.2e6,
+                                       predicted_recompute=1.1e6)] * 2)
+    assert [t.name for t in memory.data][:2] == ["measured, no recompute", "measured, recompute"]
+    table = charts.speedup_table({(2, 32): (1.7, "measured"), (8, 32): (5.9, "ideal replay")})
+    assert table.loc[1, "paper (TPU)"] == 6.3 and table.loc[1, "how"] == "ideal replay"
+    assert charts.paper_table().loc["M=4", "K=8"] == 4.8
+
+
+@pytest.mark.parametrize("changes,words", [
+    (dict(stages=9, blocks=2), "K=9 stages but the transformer has only 4 layers"),
+    (dict(micro_batches=40, batch=32), "M=40 micro-batches cannot be cut from a mini-batch of N=32"),
+    (dict(model="resnet"), "unknown model 'resnet'"),
+    (dict(balance="random"), "balance='random'"),
+    (dict(checkpoint="maybe"), "checkpoint='maybe'"),
+])
+def test_bad_configurations_are_explained(changes, words):
+    with pytest.raises(ValueError, match=words):
+        experiments.check(RunConfig(**{**RunConfig().__dict__, **changes}))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a host without CUDA")
+def test_cuda_configuration_on_a_cpu_host():
+    with pytest.raises(ValueError, match="no CUDA GPU"):
+        experiments.check(RunConfig(device="cuda"))
+
+
+def test_run_record_is_plain_and_complete():
+    record = experiments.run(RunConfig(model="mlp", blocks=4, width=32, batch=16, stages=2, micro_batches=4))
+    assert record.stages == 2 and record.micro_batches == 4 and record.balance == [2, 2]
+    assert len(record.events) == 2 * (4 + 3 + 4) and {"stage", "micro", "op", "start", "end"} <= set(record.events[0])
+    assert len(record.memory) == 2 and all(m["predicted_activation_bytes"] > 0 for m in record.memory)
+    assert record.host["cores"] >= 1 and record.loss > 0
+
+
+def test_memory_prediction_matches_the_ledger_for_the_uniform_mlp():
+    for checkpoint in ("never", "always"):
+        record = experiments.run(RunConfig(model="mlp", blocks=8, width=64, batch=32, stages=4, micro_batches=8,
+                                           checkpoint=checkpoint))
+        for stage in record.memory:
+            assert stage["activation_peak_bytes"] == pytest.approx(stage["predicted_activation_bytes"], rel=0.01)
+
+
+def test_replay_uses_tasks_timed_alone_when_stages_outnumber_cores():
+    record = experiments.run(RunConfig(model="mlp", blocks=8, width=32, batch=16, stages=8, micro_batches=4),
+                             replay=True)
+    assert record.solo_events is not None and record.notes
+    line = replay.of_record(record, "ideal replay")
+    assert line.label == "ideal replay of tasks timed alone" and len(line.bars) == len(record.events)
+
+
+def test_balance_by_time_evens_out_the_uneven_cnn():
+    config = RunConfig(model="cnn", blocks=6, width=8, batch=16, stages=4, micro_batches=4)
+    uniform = experiments.run(config)
+    timed = experiments.run(config.but(balance="time"))
+    assert uniform.balance == [2, 2, 2, 2]
+    assert timed.balance[0] < timed.balance[-1]  # the costly full-resolution layers get stages of their own
+
+
+@pytest.mark.parametrize("name", sorted(models.ZOO))
+def test_zoo_models_train_on_their_tasks(name):
+    config = RunConfig(model=name, blocks=2, width={"mlp": 32, "transformer": 32, "cnn": 8}[name], batch=32,
+                       stages=2, micro_batches=4)
+    losses = experiments.train(config, steps=40, lr=1e-2)
+    assert sum(losses[-5:]) / 5 < 0.8 * sum(losses[:5]) / 5
+
+
+def test_zoo_layers_are_pipeline_units():
+    model = models.get("transformer").build(3, 32, 0)
+    assert len(model) == models.get("transformer").layer_count(3) == 5
+    x, y = models.text_batch(4)
+    assert x.shape == y.shape == (4, models.CONTEXT) and torch.equal(x[:, 1:], y[:, :-1])
+    images, labels = models.shapes_batch(8)
+    assert images.shape == (8, 1, 32, 32) and labels.max() < len(models.SHAPES)
