@@ -8,7 +8,7 @@ the same M.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Iterable, Optional
+from typing import Callable, Iterable, Iterator, Optional
 
 from . import replay
 from .experiments import RunConfig, RunRecord, parallel_devices, run
@@ -19,7 +19,7 @@ class Cell:
     stages: int
     micro_batches: int
     samples_per_second: float
-    vs_single: float          # over K=1, M=1
+    vs_single: float          # over K=1 at the first M of the sweep (M=1 in the paper's table)
     vs_same_m: float          # over K=1 at the same M
     how: str                  # "measured" or "ideal replay"
     bubble: float
@@ -34,14 +34,12 @@ def throughput(record: RunRecord) -> tuple[float, str, float]:
     return config.batch / line.makespan, "ideal replay", line.bubble
 
 
-def table(base: RunConfig, stages: Iterable[int] = (1, 2, 4, 8), micro: Iterable[int] = (1, 4, 32),
-          progress: Optional[Callable[[str], None]] = None) -> list[Cell]:
-    """Every valid (K, M) of the grid, each normalized to the K=1 runs of the same model and batch.
-
-    K larger than the model's layers, or M larger than the batch, is left out."""
+def measure_table(base: RunConfig, stages: Iterable[int] = (1, 2, 4, 8), micro: Iterable[int] = (1, 4, 32),
+                  progress: Optional[Callable[[str], None]] = None) -> Iterator[Cell]:
+    """Yield the cells of the grid as they are measured (K=1 first at each M, since the others are
+    normalized to it). K larger than the model's layers, or M larger than the batch, is left out."""
     stages, micro = list(stages), list(micro)
     single: dict[int, float] = {}
-    cells = []
     for m in micro:
         if m > base.batch:
             continue
@@ -51,12 +49,18 @@ def table(base: RunConfig, stages: Iterable[int] = (1, 2, 4, 8), micro: Iterable
             if progress is not None:
                 progress(f"K={k}, M={m}")
             rate, how, bubble = throughput(run(base.but(stages=k, micro_batches=m), replay=True))
-            single.setdefault(m, rate if k == 1 else single.get(m))
+            if k == 1:
+                single[m] = rate
             if k in stages:
-                cells.append(Cell(k, m, rate, 0.0, rate / single[m], how, bubble))
-    baseline = single.get(1) or min(single.values())
-    return [Cell(c.stages, c.micro_batches, c.samples_per_second, c.samples_per_second / baseline,
-                 c.vs_same_m, c.how, c.bubble) for c in cells]
+                first = single[micro[0]] if micro[0] in single else single[m]
+                yield Cell(k, m, rate, rate / first, rate / single[m], how, bubble)
+
+
+def table(base: RunConfig, stages: Iterable[int] = (1, 2, 4, 8), micro: Iterable[int] = (1, 4, 32),
+          progress: Optional[Callable[[str], None]] = None) -> list[Cell]:
+    """All cells of `measure_table`, normalized to K=1 at the first M (the paper's K=1, M=1) and
+    to K=1 at the same M."""
+    return list(measure_table(base, stages, micro, progress))
 
 
 def bubble_points(base: RunConfig, micro: Iterable[int] = (1, 2, 4, 8, 16, 32)) -> list[tuple[int, float, str]]:

@@ -1,0 +1,267 @@
+"""Reproduce the paper's tables on this host, and race the peers.
+
+    python -m lab.reproduce speedup [--device cpu|cuda] [--model transformer|cnn] [--quick] [--out DIR]
+    python -m lab.reproduce memory  [--device cpu|cuda] [--budget BYTES] [--quick] [--out DIR]
+    python -m lab.reproduce peers   [--quick] [--out DIR]
+    python -m lab.reproduce all     [--quick] [--out DIR]
+
+Each command writes <out>/<name>.md, .csv and .html (a Plotly chart) and prints the markdown table
+last. Ctrl-C stops cleanly: the rows finished so far are written and printed.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import shlex
+import sys
+from pathlib import Path
+from typing import Callable, Iterable, Iterator
+
+import pandas as pd
+import plotly.graph_objects as go
+import torch
+from tqdm import tqdm
+
+from engine.device import keep_freed_cpu_memory
+
+from . import fit, host, models, peers, speedup, theory
+from .experiments import RunConfig
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """Bad arguments end with one line on stderr and exit code 2, no usage dump."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def parser() -> argparse.ArgumentParser:
+    main = OneLineParser(prog="python -m lab.reproduce", description=__doc__.splitlines()[0])
+    commands = main.add_subparsers(dest="command", required=True, parser_class=OneLineParser)
+    for name, help_text in (("speedup", "the paper's Table 2: speedup over K and M"),
+                            ("memory", "the paper's Table 1 idea: largest model within a memory budget"),
+                            ("peers", "our engine vs torch.distributed.pipelining and torchgpipe"),
+                            ("all", "speedup, memory and peers")):
+        command = commands.add_parser(name, help=help_text)
+        command.add_argument("--quick", action="store_true", help="small sizes: seconds, for a smoke run or CI")
+        command.add_argument("--out", default="results", help="folder for .md, .csv and .html (default results/)")
+        command.add_argument("--seed", type=int, default=0)
+        if name in ("speedup", "memory", "all"):
+            command.add_argument("--device", default="cpu", help="cpu (default) or cuda")
+        if name in ("speedup", "all"):
+            command.add_argument("--model", default="transformer", help="transformer (default) or cnn")
+            command.add_argument("--stages", type=int, nargs="+", default=[1, 2, 4, 8], help="K values")
+            command.add_argument("--micro-batches", type=int, nargs="+", default=[1, 4, 32], help="M values")
+        if name in ("memory", "all"):
+            command.add_argument("--budget", type=int, default=None,
+                                 help="bytes per device (default 24 MiB, 3 MiB with --quick)")
+    return main
+
+
+def check(args: argparse.Namespace) -> None:
+    """Refuse what cannot run, with a message naming the bad value."""
+    device = getattr(args, "device", "cpu")
+    if device not in ("cpu", "cuda"):
+        raise ValueError(f"--device {device!r}: expected cpu or cuda")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda, but this host has no CUDA GPU (torch.cuda.is_available() is False)")
+    model = getattr(args, "model", "transformer")
+    if model not in ("transformer", "cnn"):
+        raise ValueError(f"--model {model!r}: expected transformer or cnn")
+    if hasattr(args, "stages"):
+        layers = speedup_config(args).layers
+        too_many = [k for k in args.stages if k > layers or k < 1]
+        if too_many:
+            raise ValueError(f"--stages {too_many[0]}: the {model} used here has {layers} layers; use 1..{layers}")
+        if any(m < 1 for m in args.micro_batches):
+            raise ValueError("--micro-batches must all be at least 1")
+    if getattr(args, "budget", None) is not None and args.budget <= 0:
+        raise ValueError(f"--budget {args.budget}: expected a positive number of bytes")
+
+
+# --- configurations ----------------------------------------------------------------------------
+
+def speedup_config(args) -> RunConfig:
+    """The model each speedup cell trains: 8 layers, so K runs up to 8."""
+    quick = args.quick
+    if args.model == "cnn":
+        return RunConfig(model="cnn", blocks=6, width=8 if quick else 32, batch=32 if quick else 64,
+                         seed=args.seed, device=args.device)
+    return RunConfig(model="transformer", blocks=6, width=32 if quick else 128, batch=32 if quick else 64,
+                     seed=args.seed, device=args.device)
+
+
+def memory_config(args) -> tuple[RunConfig, int, int]:
+    """(model template, budget in bytes, largest block count searched)."""
+    budget = args.budget or ((3 if args.quick else 24) * 2 ** 20)
+    base = RunConfig(model="transformer", width=32 if args.quick else 64, batch=8 if args.quick else 16,
+                     micro_batches=4, seed=args.seed, device=args.device)
+    return base, budget, 160 if args.quick else 512
+
+
+def peers_workload(args) -> tuple[peers.Workload, list[int], int]:
+    if args.quick:
+        return peers.Workload(width=128, blocks=4, batch=64, seed=args.seed), [1, 4], 1
+    return peers.Workload(width=1024, blocks=8, batch=512, seed=args.seed), [1, 4, 8, 16, 32], 3
+
+
+# --- the three commands ------------------------------------------------------------------------
+
+def speedup_rows(args, progress) -> Iterator[dict]:
+    base = speedup_config(args)
+    for cell in speedup.measure_table(base, args.stages, args.micro_batches, progress):
+        yield {"K": cell.stages, "M": cell.micro_batches, "samples/s": round(cell.samples_per_second, 1),
+               "speedup vs K=1,M=1": round(cell.vs_single, 2), "speedup vs K=1, same M": round(cell.vs_same_m, 2),
+               "paper": theory.PAPER_SPEEDUP.get((cell.stages, cell.micro_batches)),
+               "ideal K*M/(M+K-1)": round(theory.ideal_speedup(cell.stages, cell.micro_batches), 2),
+               "bubble": round(cell.bubble, 3), "how": cell.how}
+
+
+def memory_rows(args, progress) -> Iterator[dict]:
+    base, budget, max_blocks = memory_config(args)
+    first = None
+    for label, stages, checkpoint in fit.LADDER:
+        best = fit.largest(base, stages, checkpoint, budget, max_blocks, label=label,
+                           progress=lambda p: progress(f"{label}: {p.blocks} blocks {'fit' if p.fits else 'too big'}"))
+        if best is None:
+            yield {"training": label, "K": stages, "layers": 0, "parameters": 0, "peak bytes": 0,
+                   "growth vs naive": 0.0, "paper": "", "probes": 0}
+            continue
+        first = first or best
+        paper = {"K=1 with recompute": f"{theory.PAPER_REMAT_GROWTH}x"}.get(label, "")
+        capped = best.blocks >= max_blocks  # the search stopped at its cap, not at the budget
+        yield {"training": label, "K": stages, "layers": f">= {best.layers} (search cap)" if capped else best.layers,
+               "parameters": best.params,
+               "peak bytes": best.peak_bytes, "growth vs naive": round(best.params / first.params, 2),
+               "paper": paper, "probes": len(best.probes)}
+
+
+def peers_rows(args, progress) -> Iterator[dict]:
+    work, micros, rounds = peers_workload(args)
+    results = []
+    for result in peers.race(work, micros, rounds, progress):
+        results.append(result)
+    yield from peers.table_rows(results, work.batch)
+
+
+# --- running, writing, printing ----------------------------------------------------------------
+
+def header(args, name: str, details: str) -> list[str]:
+    info = host.describe()
+    command = "python -m lab.reproduce " + " ".join(shlex.quote(a) for a in sys.argv[1:]) if sys.argv[1:] else \
+        f"python -m lab.reproduce {name}"
+    return [f"# {name}: {details}",
+            f"# command: {command}",
+            f"# date: {datetime.datetime.now().isoformat(timespec='seconds')}; seed {args.seed}",
+            f"# host: {host.summary(info)}; intra-op threads {info['threads']}; python {info['python']}"]
+
+
+def markdown(rows: list[dict]) -> str:
+    """Rows as a markdown table."""
+    if not rows:
+        return "(no rows finished)"
+    columns = list(rows[0])
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join("" if r[c] is None else str(r[c]) for c in columns) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def chart(name: str, rows: list[dict]) -> go.Figure:
+    frame = pd.DataFrame(rows)
+    figure = go.Figure()
+    if name == "speedup" and rows:
+        labels = [f"K={k}, M={m}" for k, m in zip(frame["K"], frame["M"])]
+        figure.add_bar(name="this host", x=labels, y=frame["speedup vs K=1,M=1"],
+                       text=frame["how"], hovertemplate="%{x}: %{y:.2f}x (%{text})<extra></extra>")
+        figure.add_bar(name="paper (Transformer, TPU)", x=labels, y=frame["paper"])
+        figure.add_scatter(name="ideal K*M/(M+K-1)", x=labels, y=frame["ideal K*M/(M+K-1)"], mode="markers")
+        figure.update_layout(title="Speedup over one device", yaxis_title="x")
+    elif name == "memory" and rows:
+        figure.add_bar(x=frame["training"], y=frame["parameters"], text=frame["layers"],
+                       hovertemplate="%{x}: %{y} parameters, %{text} layers<extra></extra>")
+        figure.update_layout(title="Largest Transformer within the budget", yaxis_title="parameters")
+    elif name == "peers" and rows:
+        for implementation, group in frame.groupby("implementation"):
+            figure.add_scatter(name=implementation, x=group["M"], y=group["speedup vs one core"], mode="lines+markers")
+        figure.update_layout(title="K=2 speedup over one core, by implementation", xaxis_title="M",
+                             yaxis_title="x", xaxis_type="log")
+    return figure
+
+
+DETAILS = {
+    "speedup": "samples/s normalized to K=1, M=1 and to K=1 at the same M; one core per stage on CPU; "
+               "cells with more stages than devices are ideal replays of task times measured one at a time",
+    "memory": "largest Transformer whose real training step (forward, backward, Adam) fits the budget per device",
+    "peers": "same model, batch and K=2; one core per stage; max grad diff against the unpipelined model",
+}
+
+
+def run_command(name: str, args, rows_of: Callable, out: Path) -> list[dict]:
+    """Run one command with a progress bar; on Ctrl-C keep what finished. Write and print the table."""
+    lines = header(args, name, DETAILS[name])
+    if name == "memory":
+        base, budget, _ = memory_config(args)
+        how = "real cap and out-of-memory" if args.device == "cuda" else \
+            "CPU: the budget is applied to each stage's measured parameters + gradients + Adam state + activations"
+        lines.append(f"# budget {budget} bytes per device ({budget / 2 ** 20:.1f} MiB); {how}; "
+                     f"width {base.width}, batch {base.batch}, M {base.micro_batches}")
+    if name == "speedup":
+        base = speedup_config(args)
+        lines.append(f"# model {base.model}: {base.blocks} blocks ({base.layers} layers), width {base.width}, "
+                     f"batch {base.batch}, checkpoint {base.checkpoint}, device {base.device}")
+    if name == "peers":
+        work, micros, rounds = peers_workload(args)
+        lines.append(f"# model {work.blocks} x (Linear({work.width},{work.width}) + ReLU), batch {work.batch}, "
+                     f"M in {micros}, median of {rounds} step(s), checkpoint never; torchgpipe "
+                     f"{'installed' if peers.torchgpipe_available() else 'not installed'}")
+    rows, interrupted = [], False
+    with tqdm(desc=name, unit="run", leave=False, file=sys.stderr) as bar:
+        def progress(label: str) -> None:
+            bar.set_postfix_str(label)
+            bar.update(1)
+        try:
+            for row in rows_of(args, progress):
+                rows.append(row)
+        except KeyboardInterrupt:
+            interrupted = True
+            lines.append("# interrupted: the rows below are those finished before Ctrl-C")
+    out.mkdir(parents=True, exist_ok=True)
+    table = markdown(rows)
+    (out / f"{name}.md").write_text("\n".join(lines) + "\n\n" + table + "\n")
+    pd.DataFrame(rows).to_csv(out / f"{name}.csv", index=False)
+    chart(name, rows).write_html(out / f"{name}.html", include_plotlyjs=True)
+    if name == "speedup":
+        print("\n".join(["# the paper's Table 2 (speedup over one TPU, Transformer):",
+                         markdown([{"M": m, **{f"K={k}": theory.PAPER_SPEEDUP[(k, m)] for k in (2, 4, 8)}}
+                                   for m in (1, 4, 32)])]))
+    print("\n".join(lines))
+    print(table)
+    if interrupted:
+        raise KeyboardInterrupt
+    return rows
+
+
+COMMANDS = {"speedup": speedup_rows, "memory": memory_rows, "peers": peers_rows}
+
+
+def main(argv: Iterable[str] = None) -> int:
+    args = parser().parse_args(argv)
+    try:
+        check(args)
+    except ValueError as error:
+        print(f"python -m lab.reproduce: error: {error}", file=sys.stderr)
+        return 2
+    if getattr(args, "device", "cpu") == "cpu":
+        keep_freed_cpu_memory()
+    names = list(COMMANDS) if args.command == "all" else [args.command]
+    try:
+        for name in names:
+            run_command(name, args, COMMANDS[name], Path(args.out))
+    except KeyboardInterrupt:
+        print("stopped by Ctrl-C; finished rows were written", file=sys.stderr)
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,91 @@
+"""python -m lab.reproduce in --quick mode: the files it writes and their labels (not timings)."""
+import csv
+
+import pytest
+
+from lab import reproduce
+
+
+def read_csv(path):
+    with open(path) as f:
+        return list(csv.DictReader(f))
+
+
+def test_speedup_quick_writes_labelled_tables(tmp_path, capsys):
+    code = reproduce.main(["speedup", "--quick", "--stages", "1", "2", "4", "--micro-batches", "1", "4",
+                           "--out", str(tmp_path)])
+    assert code == 0
+    rows = read_csv(tmp_path / "speedup.csv")
+    assert [(r["K"], r["M"]) for r in rows] == [("1", "1"), ("2", "1"), ("4", "1"), ("1", "4"), ("2", "4"), ("4", "4")]
+    assert {r["how"] for r in rows if r["K"] in ("1", "2")} == {"measured"}   # 2 cores: one per stage
+    assert {r["how"] for r in rows if r["K"] == "4"} == {"ideal replay"}
+    assert all(float(r["speedup vs K=1, same M"]) > 0 for r in rows)
+    assert [r["speedup vs K=1, same M"] for r in rows if r["K"] == "1"] == ["1.0", "1.0"]
+    assert next(r for r in rows if (r["K"], r["M"]) == ("4", "4"))["paper"] == "3.2"
+    markdown = (tmp_path / "speedup.md").read_text()
+    assert "# command: python -m lab.reproduce" in markdown and "# host:" in markdown and "| K | M |" in markdown
+    assert "<html>" in (tmp_path / "speedup.html").read_text()[:1000].lower()
+    out = capsys.readouterr().out
+    assert out.rstrip().endswith(markdown.rstrip().splitlines()[-1])  # the markdown table is printed last
+    assert "| 32 | 1.8 | 3.4 | 6.3 |" in out  # the paper's numbers beside it
+
+
+def test_memory_quick_finds_growing_models(tmp_path):
+    assert reproduce.main(["memory", "--quick", "--out", str(tmp_path)]) == 0
+    rows = read_csv(tmp_path / "memory.csv")
+    assert [r["training"] for r in rows] == [label for label, _, _ in reproduce.fit.LADDER]
+    params = [int(r["parameters"]) for r in rows]
+    assert params == sorted(params) and params[1] > params[0] and params[-1] > 4 * params[1]
+    budget = 3 * 2 ** 20
+    assert all(int(r["peak bytes"]) <= budget for r in rows)
+    assert "CPU: the budget is applied to each stage's measured" in (tmp_path / "memory.md").read_text()
+
+
+def test_peers_quick_races_every_implementation(tmp_path):
+    assert reproduce.main(["peers", "--quick", "--out", str(tmp_path)]) == 0
+    rows = read_csv(tmp_path / "peers.csv")
+    names = {r["implementation"] for r in rows}
+    assert {"one core, no pipeline", "gpipe-lab engine", "torch.distributed.pipelining ScheduleGPipe"} <= names
+    assert all(float(r["max grad diff"]) < 1e-5 for r in rows)
+    assert {r["M"] for r in rows} == {"1", "4"}
+
+
+@pytest.mark.parametrize("argv,words", [
+    (["speedup", "--device", "cuda"], "no CUDA GPU"),
+    (["speedup", "--model", "resnet"], "--model 'resnet'"),
+    (["speedup", "--stages", "1", "16"], "--stages 16"),
+    (["memory", "--budget", "0"], "--budget 0"),
+])
+def test_bad_arguments_get_one_line_and_exit_code_2(argv, words, capsys):
+    if "cuda" in argv:
+        pytest.importorskip("torch")
+        import torch
+        if torch.cuda.is_available():
+            pytest.skip("this host has CUDA")
+    assert reproduce.main(argv) == 2
+    err = capsys.readouterr().err
+    assert words in err and len(err.strip().splitlines()) == 1
+
+
+def test_unknown_command_is_one_line_too(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        reproduce.main(["bogus"])
+    assert exit_info.value.code == 2
+    assert len(capsys.readouterr().err.strip().splitlines()) == 1
+
+
+def test_ctrl_c_keeps_finished_rows(tmp_path, monkeypatch, capsys):
+    real = reproduce.speedup.measure_table
+
+    def interrupted(*args, **kwargs):
+        for count, cell in enumerate(real(*args, **kwargs)):
+            if count == 2:
+                raise KeyboardInterrupt
+            yield cell
+
+    monkeypatch.setattr(reproduce.speedup, "measure_table", interrupted)
+    code = reproduce.main(["speedup", "--quick", "--stages", "1", "2", "--micro-batches", "1", "4",
+                           "--out", str(tmp_path)])
+    assert code == 130
+    assert len(read_csv(tmp_path / "speedup.csv")) == 2
+    assert "# interrupted" in (tmp_path / "speedup.md").read_text()
