@@ -2,8 +2,6 @@
 from __future__ import annotations
 
 import copy
-import statistics
-import time
 from typing import Callable, Sequence
 
 import torch
@@ -12,13 +10,14 @@ from torch import nn
 from .memory import ActivationLedger
 from .microbatch import Value, as_leaves, detached, tensors_of
 from .partition import check_module
+from .pipe import GPipe
 
 
 def balance_by_time(partitions: int, module: nn.Sequential, sample: Value, repeat: int = 3) -> list[int]:
     """Layers per stage that even out forward+backward time, measured on `sample` (a micro-batch).
 
-    Each layer runs on a copy of itself (the model's weights, running statistics and the global
-    random state are left alone), `repeat` times after one warm-up; its median time is its cost.
+    The layers are timed on a copy of the model, one layer per stage, exactly as the engine runs
+    them (the model's weights, running statistics and the global random state are left alone).
     """
     return solve(layer_times(module, sample, repeat), partitions)
 
@@ -56,18 +55,37 @@ def solve(costs: Sequence[float], partitions: int) -> list[int]:
 
 
 def layer_times(module: nn.Sequential, sample: Value, repeat: int = 3) -> list[float]:
-    """Median forward+backward seconds of each layer of `module` on the activations `sample` produces."""
-    def measure(layer: nn.Module, x: Value):
-        times, out = [], None
-        for _ in range(repeat + 1):
-            _synchronize(x)
-            start = time.perf_counter()
-            out = _forward_backward(layer, x)
-            _synchronize(x)
-            times.append(time.perf_counter() - start)
-        return statistics.median(times[1:]), out
+    """Forward+backward seconds of each layer of `module`, as the engine runs it, on `sample`.
 
-    return _per_layer(module, sample, measure)
+    A copy of the model runs as a pipeline of one layer per stage, one task at a time, so each
+    layer is timed with everything a stage adds around it (batch norm control, random streams,
+    the activation ledger, the hand-over between stages). Each layer keeps its shortest time
+    over `repeat` steps after a warm-up: noise on a shared host only ever adds time.
+    """
+    check_module(module)
+    sandbox = copy.deepcopy(module)
+    device = tensors_of(sample)[0].device
+    batch = tensors_of(sample)[0].shape[0]
+    pipe = GPipe(sandbox, [1] * len(sandbox), devices=[device] * len(sandbox), chunks=1, checkpoint="never")
+    best = [float("inf")] * len(sandbox)
+    try:
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+            for step in range(repeat + 1):
+                pipe.step(sample, torch.zeros(batch), _probe_loss, serial=True)
+                if step == 0:
+                    continue  # warm-up
+                costs = [0.0] * len(sandbox)
+                for event in pipe.trace.events:
+                    costs[event.stage] += event.end - event.start
+                best = [min(b, c) for b, c in zip(best, costs)]
+    finally:
+        pipe.close()
+    return best
+
+
+def _probe_loss(output: Value, _target: torch.Tensor) -> torch.Tensor:
+    """A stand-in loss for profiling: the mean of every float output."""
+    return sum(t.float().mean() for t in tensors_of(output) if t.is_floating_point())
 
 
 def layer_sizes(module: nn.Sequential, sample: Value, param_scale: float = 2.0,
@@ -98,17 +116,3 @@ def _per_layer(module: nn.Sequential, sample: Value, measure: Callable) -> list[
             costs.append(cost)
             x = detached(out)
     return costs
-
-
-def _forward_backward(layer: nn.Module, x: Value) -> Value:
-    out = layer(x)
-    roots = [t for t in tensors_of(out) if t.requires_grad]
-    if roots:
-        torch.autograd.backward(roots, [torch.ones_like(t) for t in roots])
-    return out
-
-
-def _synchronize(value: Value) -> None:
-    for t in tensors_of(value):
-        if t.is_cuda:
-            torch.cuda.synchronize(t.device)

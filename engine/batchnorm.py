@@ -94,8 +94,8 @@ def _chunk_statistics(x: torch.Tensor) -> tuple[int, torch.Tensor, torch.Tensor]
     """(sample count, per-channel mean, per-channel biased variance) of one micro-batch."""
     with torch.no_grad():
         dims = [d for d in range(x.dim()) if d != 1]
-        var, mean = torch.var_mean(x.double(), dim=dims, unbiased=False)
-    return x.numel() // x.shape[1], mean, var
+        var, mean = torch.var_mean(x, dim=dims, unbiased=False)
+    return x.numel() // x.shape[1], mean.double(), var.double()  # combined in float64
 
 
 def _combine(chunks) -> tuple[int, torch.Tensor, torch.Tensor]:

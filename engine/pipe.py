@@ -22,6 +22,8 @@ EventCallback = Optional[Callable[[Event], None]]
 class GPipe(nn.Module):
     """Train an nn.Sequential as a GPipe pipeline: K stages, M micro-batches, optional recompute.
 
+    `schedule` is "gpipe" (fill-drain, the default) or "1f1b" (the later one-forward-one-backward
+    order: same gradients up to summation order, fewer micro-batches held at once).
     The stages are made of the model's own layers (nothing is copied), so an optimizer over
     `pipe.parameters()` (or, on CPU, over the model's) trains the model itself. Gradients equal
     those of the whole mini-batch on one device; see README for what "equal" means bit for bit.
@@ -30,7 +32,7 @@ class GPipe(nn.Module):
     def __init__(self, module: nn.Sequential, balance: Union[int, Sequence[int]],
                  devices: Optional[Sequence] = None, chunks: int = 1, checkpoint: str = "except_last",
                  deferred_batch_norm: bool = False, seed: Optional[int] = None,
-                 threads_per_stage: Optional[int] = None, record_memory: bool = True):
+                 threads_per_stage: Optional[int] = None, record_memory: bool = True, schedule: str = "gpipe"):
         super().__init__()
         check_module(module)
         self.balance = resolve_balance(balance, len(module))
@@ -40,6 +42,7 @@ class GPipe(nn.Module):
             raise ValueError(f"chunks={chunks!r}: expected an int >= 1 (micro-batches per mini-batch)")
         self.chunks = chunks
         self.checkpoint = schedules.check_checkpoint_mode(checkpoint)
+        self.schedule = schedules.check_schedule(schedule)
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
             raise TypeError(f"seed={seed!r}: expected an int or None")
         self.seed = seed
@@ -92,7 +95,7 @@ class GPipe(nn.Module):
                         checkpointed=[schedules.checkpointed(m, count, self.checkpoint) for m in range(count)],
                         base_seed=self._base_seed(phase=0), training=True, record_memory=self.record_memory)
         self.steps_done += 1
-        self._run(plan, schedules.gpipe(len(self._stages), count, self.checkpoint), batch,
+        self._run(plan, schedules.SCHEDULES[self.schedule](len(self._stages), count, self.checkpoint), batch,
                   "serial step" if serial else "step", on_event, serial)
         for stage in self._stages:
             if stage.batch_norm is not None:

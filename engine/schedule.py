@@ -69,6 +69,41 @@ def gpipe(stages: int, micro_batches: int, checkpoint: str = "except_last") -> l
     return [forward + backward for _ in range(stages)]
 
 
+def one_f_one_b(stages: int, micro_batches: int, checkpoint: str = "except_last") -> list[list[Task]]:
+    """Per-stage task lists of 1F1B (PipeDream-Flush), the schedule that came after GPipe.
+
+    Stage k runs K-1-k forwards to fill the pipe, then alternates one forward with one backward,
+    then drains the remaining backwards, in micro-batch order. Same work and the same synchronous
+    update as GPipe, but a stage never holds more than K-k micro-batches' activations, not M.
+    """
+    if stages < 1 or micro_batches < 1:
+        raise ValueError(f"need stages >= 1 and micro_batches >= 1, got {stages} and {micro_batches}")
+
+    def backward(m: int) -> list[Task]:
+        return ([Task("R", m)] if checkpointed(m, micro_batches, checkpoint) else []) + [Task("B", m)]
+
+    plans = []
+    for k in range(stages):
+        warmup = min(stages - 1 - k, micro_batches)
+        tasks = [Task("F", m) for m in range(warmup)]
+        for i in range(micro_batches - warmup):
+            tasks += [Task("F", warmup + i)] + backward(i)
+        for i in range(micro_batches - warmup, micro_batches):
+            tasks += backward(i)
+        plans.append(tasks)
+    return plans
+
+
+SCHEDULES = {"gpipe": gpipe, "1f1b": one_f_one_b}
+
+
+def check_schedule(name: str) -> str:
+    """Return `name` if it is a known schedule, else raise a ValueError naming the choices."""
+    if name not in SCHEDULES:
+        raise ValueError(f"schedule={name!r} is not a schedule; expected one of {tuple(SCHEDULES)}")
+    return name
+
+
 def forward_only(stages: int, micro_batches: int) -> list[list[Task]]:
     """Per-stage task lists of an inference pass: forwards only, no graph kept."""
     return [[Task("F", m) for m in range(micro_batches)] for _ in range(stages)]

@@ -43,8 +43,9 @@ class Largest:
     probes: tuple[Probe, ...]
 
 
-def footprint(config: RunConfig) -> tuple[int, int]:
-    """(parameter count, bytes the most loaded stage needs) for one real training step on CPU."""
+def breakdown(config: RunConfig) -> list[dict]:
+    """Bytes each stage needs for one real training step on CPU: parameters, gradients, Adam's
+    two moments and the activation peak measured by the engine's ledger."""
     model, (inputs, targets), loss_fn = _build(config)
     pipe = GPipe(model, config.stages, devices=devices_for(config), chunks=config.micro_batches,
                  checkpoint=config.checkpoint, seed=config.seed, threads_per_stage=config.threads_per_stage)
@@ -52,14 +53,23 @@ def footprint(config: RunConfig) -> tuple[int, int]:
         optimizer = torch.optim.Adam(pipe.parameters(), lr=1e-4)
         pipe.step(inputs, targets, loss_fn)
         optimizer.step()
-        peaks = []
+        stages = []
         for stage, memory in zip(pipe.partitions, pipe.trace.memory):
             state = sum(t.numel() * t.element_size() for p in stage.parameters()
                         for t in optimizer.state[p].values() if torch.is_tensor(t) and t.dim() > 0)
-            peaks.append(memory.param_bytes + memory.grad_bytes + state + memory.activation_peak_bytes)
+            stages.append({"parameters": memory.param_bytes, "gradients": memory.grad_bytes,
+                           "optimizer state": state, "activations": memory.activation_peak_bytes,
+                           "parameter count": sum(p.numel() for p in stage.parameters())})
     finally:
         pipe.close()
-    return sum(p.numel() for p in model.parameters()), max(peaks)
+    return stages
+
+
+def footprint(config: RunConfig) -> tuple[int, int]:
+    """(parameter count, bytes the most loaded stage needs) for one real training step on CPU."""
+    stages = breakdown(config)
+    totals = [s["parameters"] + s["gradients"] + s["optimizer state"] + s["activations"] for s in stages]
+    return sum(s["parameter count"] for s in stages), max(totals)
 
 
 def footprint_cuda(config: RunConfig, budget: int) -> tuple[int, int, bool]:

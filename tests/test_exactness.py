@@ -271,3 +271,25 @@ def test_custom_random_layer_is_detected_and_reproducible(batch):
     reference, _, _ = pipelined_grads(model, x, y, 1, seed=2, steps=2)
     got, _, _ = pipelined_grads(model, x, y, 3, seed=2, steps=2, checkpoint="always")
     assert_bitwise(got, reference)
+
+
+def test_one_f_one_b_schedule_gives_the_same_gradients_up_to_summation_order(batch):
+    x, y = batch
+    gpipe_grads, _, _ = pipelined_grads(mlp, x, y, 3, checkpoint="never")
+    for checkpoint in ("never", "always"):
+        got, _, _ = pipelined_grads(mlp, x, y, 3, checkpoint=checkpoint, schedule="1f1b")
+        for a, b in zip(got, gpipe_grads):
+            assert torch.allclose(a, b, rtol=1e-6, atol=1e-7)
+    one, _, _ = pipelined_grads(mlp, x, y, 1, schedule="1f1b")
+    four, _, _ = pipelined_grads(mlp, x, y, 4, schedule="1f1b", checkpoint="always")
+    assert_bitwise(one, four)  # same order of sums for every K
+
+
+def test_one_f_one_b_holds_fewer_activations(batch):
+    x, y = batch
+    peaks = {}
+    for schedule in ("gpipe", "1f1b"):
+        pipe = GPipe(mlp(), 2, chunks=8, checkpoint="never", schedule=schedule)
+        pipe.step(x, y, LOSS)
+        peaks[schedule] = pipe.trace.memory[-1].activation_peak_bytes
+    assert peaks["1f1b"] < peaks["gpipe"] / 3  # the last stage holds 1 micro-batch instead of 8

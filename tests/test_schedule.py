@@ -64,3 +64,19 @@ def test_timeline_respects_dependencies():
 def test_bad_sizes():
     with pytest.raises(ValueError):
         gpipe(0, 4)
+
+
+def test_one_f_one_b_orders_and_holds_few_micro_batches():
+    from engine.schedule import one_f_one_b
+    plan = one_f_one_b(3, 5, "never")
+    assert ops(plan[0]) == "F0 F1 F2 B0 F3 B1 F4 B2 B3 B4"
+    assert ops(plan[2]) == "F0 B0 F1 B1 F2 B2 F3 B3 F4 B4"
+    for k, tasks in enumerate(plan):
+        in_flight, peak = 0, 0
+        for task in tasks:
+            in_flight += 1 if task.op == "F" else -1 if task.op == "B" else 0
+            peak = max(peak, in_flight)
+        assert peak == min(3 - k, 5)  # GPipe would hold all 5
+    times = timeline(plan, lambda stage, task: 1.0)  # raises if the order could deadlock
+    assert max(end for stage in times for _, end in stage) == 2 * (3 + 5 - 1)
+    assert ops(one_f_one_b(2, 3, "always")[1]) == "F0 R0 B0 F1 R1 B1 F2 R2 B2"

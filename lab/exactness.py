@@ -1,0 +1,88 @@
+"""Checks that pipelining changes the schedule and not the math, as tables a notebook can show."""
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+from torch import nn
+
+from engine import GPipe
+
+from .experiments import RunConfig, build, train
+
+
+def pipeline_gradients(config: RunConfig, stages: int, checkpoint: str) -> list[torch.Tensor]:
+    """Gradients of one pipelined step of the configuration (fixed seed, one thread per stage)."""
+    model, (inputs, targets), loss_fn = build(config)
+    pipe = GPipe(model, stages, chunks=config.micro_batches, checkpoint=checkpoint, seed=config.seed,
+                 deferred_batch_norm=True, threads_per_stage=config.threads_per_stage)
+    try:
+        pipe.step(inputs, targets, loss_fn)
+    finally:
+        pipe.close()
+    return [p.grad.clone() for p in model.parameters()]
+
+
+def unpipelined_gradients(config: RunConfig, dtype: torch.dtype = torch.float32) -> list[torch.Tensor]:
+    """Gradients of the same loss on the whole mini-batch, one device, no pipeline, dropout off
+    (its masks depend on the random stream, which differs from the pipeline's by design)."""
+    model, (inputs, targets), loss_fn = build(config)
+    model = model.to(dtype).eval() if _has_dropout(model) else model.to(dtype)
+    x = inputs.to(dtype) if inputs.is_floating_point() else inputs
+    loss_fn(model(x), targets).backward()
+    return [p.grad for p in model.parameters()]
+
+
+def compare(config: RunConfig, stage_counts: Iterable[int] = (1, 2, 4),
+            checkpoints: Iterable[str] = ("never", "always")) -> list[dict]:
+    """For every K and checkpoint mode: bitwise equal to K=1 without recompute? And the largest
+    difference from the unpipelined whole-batch gradients (only meaningful without dropout)."""
+    reference = pipeline_gradients(config, 1, "never")
+    whole = None if _has_dropout(build(config)[0]) else unpipelined_gradients(config)
+    rows = []
+    for stages in stage_counts:
+        for checkpoint in checkpoints:
+            grads = pipeline_gradients(config, stages, checkpoint)
+            rows.append({"K": stages, "checkpoint": checkpoint,
+                         "bitwise equal to K=1": all(torch.equal(a, b) for a, b in zip(grads, reference)),
+                         "max |diff| vs whole batch": None if whole is None else
+                         max((a - b).abs().max().item() for a, b in zip(grads, whole))})
+    return rows
+
+
+def batch_norm_statistics(config: RunConfig, stages: int) -> dict:
+    """Run one pipelined step of a BN model with deferred batch norm and compare each BN layer's
+    running mean/var with nn.BatchNorm applied once to everything that layer saw."""
+    model, (inputs, targets), loss_fn = build(config)
+    layers = [m for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
+    seen = {layer: [] for layer in layers}
+    before = {layer: {k: v.clone() for k, v in layer.state_dict().items()} for layer in layers}
+    hooks = [layer.register_forward_pre_hook(lambda mod, args: seen[mod].append(args[0].detach())) for layer in layers]
+    pipe = GPipe(model, stages, chunks=config.micro_batches, checkpoint="never", deferred_batch_norm=True,
+                 threads_per_stage=config.threads_per_stage)
+    try:
+        pipe.step(inputs, targets, loss_fn)
+    finally:
+        pipe.close()
+        for hook in hooks:
+            hook.remove()
+    worst_mean = worst_var = 0.0
+    for layer in layers:
+        reference = type(layer)(layer.num_features, momentum=layer.momentum)
+        reference.load_state_dict(before[layer])
+        reference.train()(torch.cat(seen[layer]))
+        worst_mean = max(worst_mean, (layer.running_mean - reference.running_mean).abs().max().item())
+        worst_var = max(worst_var, (layer.running_var - reference.running_var).abs().max().item())
+    return {"batch norm layers": len(layers), "max |running mean diff|": worst_mean,
+            "max |running var diff|": worst_var,
+            "updates counted": sorted({int(layer.num_batches_tracked) for layer in layers})}
+
+
+def loss_curves(config: RunConfig, stage_counts: Iterable[int], steps: int) -> dict[str, list[float]]:
+    """Training curves of the same model, data and seed for several K."""
+    return {f"K={k}": train(config.but(stages=k), steps) for k in stage_counts}
+
+
+def _has_dropout(model: nn.Module) -> bool:
+    return any(isinstance(m, nn.Dropout) and m.p > 0 for m in model.modules())
+
