@@ -12,51 +12,50 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from engine.schedule import gpipe, timeline
+from engine.schedule import SCHEDULES, check_schedule, timeline
+from engine.trace import Event, Trace
 
 THEORY_COSTS = {"F": 1.0, "B": 2.0, "R": 1.0}
 
 
 @dataclass(frozen=True)
-class Bar:
-    stage: int
-    micro: int
-    op: str
-    start: float
-    end: float
-
-
-@dataclass(frozen=True)
 class Timeline:
-    """Bars of one step, with what they are (`label`) and the unit of time (`unit`)."""
+    """The tasks of one step as an engine Trace (which derives makespan, busy time and bubble),
+    with what they are (`label`) and the unit of time (`unit`)."""
 
     label: str
-    stages: int
-    bars: tuple[Bar, ...]
+    trace: Trace
     unit: str = "s"
 
     @property
+    def stages(self) -> int:
+        return self.trace.stages
+
+    @property
+    def bars(self) -> list[Event]:
+        return self.trace.events
+
+    @property
     def makespan(self) -> float:
-        return max((b.end for b in self.bars), default=0.0)
+        return self.trace.makespan
 
     @property
     def busy(self) -> list[float]:
-        totals = [0.0] * self.stages
-        for b in self.bars:
-            totals[b.stage] += b.end - b.start
-        return totals
+        return self.trace.busy
 
     @property
     def bubble(self) -> float:
-        """Idle fraction: 1 - sum(busy) / (K * makespan)."""
-        span = self.makespan
-        return 1.0 - sum(self.busy) / (self.stages * span) if span > 0 else 0.0
+        return self.trace.bubble
+
+
+def _timeline(label: str, stages: int, events: list[Event], unit: str = "s") -> Timeline:
+    return Timeline(label, Trace(stages=stages, events=sorted(events, key=lambda e: (e.start, e.stage))), unit)
 
 
 def measured(events: list[dict], stages: int, label: str = "measured") -> Timeline:
     """The events of a run as a timeline (seconds from the step's start)."""
-    bars = tuple(Bar(e["stage"], e["micro"], e["op"], e["start"], e["end"]) for e in events)
-    return Timeline(label, stages, bars)
+    return _timeline(label, stages, [Event(e["stage"], e["micro"], e["op"], e["start"], e["end"], e.get("device", ""))
+                                     for e in events])
 
 
 def ideal_replay(events: list[dict], stages: int, micro_batches: int, checkpoint: str,
@@ -67,12 +66,14 @@ def ideal_replay(events: list[dict], stages: int, micro_batches: int, checkpoint
                      label, "s")
 
 
-def theory(stages: int, micro_batches: int, checkpoint: str = "never",
-           costs: Optional[dict] = None) -> Timeline:
-    """The textbook fill-drain diagram with unit costs (forward 1, backward 2, recompute 1)."""
+def theory(stages: int, micro_batches: int, checkpoint: str = "never", costs: Optional[dict] = None,
+           schedule: str = "gpipe") -> Timeline:
+    """The textbook diagram with unit costs (forward 1, backward 2, recompute 1), for GPipe's
+    fill-drain order or another schedule of the engine (\"1f1b\")."""
     costs = costs or THEORY_COSTS
-    return _laid_out(stages, micro_batches, checkpoint, lambda k, task: costs[task.op],
-                     "theory (unit costs)", "time units")
+    label = "theory (unit costs)" if schedule == "gpipe" else f"theory (unit costs), {schedule}"
+    return _laid_out(stages, micro_batches, checkpoint, lambda k, task: costs[task.op], label, "time units",
+                     schedule)
 
 
 def of_record(record, view: str) -> Timeline:
@@ -89,9 +90,10 @@ def of_record(record, view: str) -> Timeline:
     raise ValueError(f"unknown view {view!r}; expected 'measured', 'ideal replay' or 'theory'")
 
 
-def _laid_out(stages: int, micro_batches: int, checkpoint: str, duration, label: str, unit: str) -> Timeline:
-    schedule = gpipe(stages, micro_batches, checkpoint)
-    times = timeline(schedule, duration)
-    bars = tuple(Bar(k, task.micro, task.op, start, end)
-                 for k, tasks in enumerate(schedule) for task, (start, end) in zip(tasks, times[k]))
-    return Timeline(label, stages, bars, unit)
+def _laid_out(stages: int, micro_batches: int, checkpoint: str, duration, label: str, unit: str,
+              schedule: str = "gpipe") -> Timeline:
+    plan = SCHEDULES[check_schedule(schedule)](stages, micro_batches, checkpoint)
+    times = timeline(plan, duration)
+    events = [Event(k, task.micro, task.op, start, end, "")
+              for k, tasks in enumerate(plan) for task, (start, end) in zip(tasks, times[k])]
+    return _timeline(label, stages, events, unit)

@@ -27,7 +27,7 @@ def test_committed_without_outputs(path):
 def test_runs_end_to_end(path, monkeypatch):
     monkeypatch.setenv("GPIPE_LAB_QUICK", "1")
     notebook = nbformat.read(path, as_version=4)
-    NotebookClient(notebook, timeout=600, kernel_name="python3",
+    NotebookClient(notebook, timeout=300, kernel_name="python3",
                    resources={"metadata": {"path": str(path.parent)}}).execute()
     errors = [o for c in notebook.cells if c.cell_type == "code" for o in c.outputs if o.output_type == "error"]
     assert not errors
