@@ -111,7 +111,7 @@ def test_replay_uses_tasks_timed_alone_when_stages_outnumber_cores():
 
 
 def test_balance_by_time_evens_out_the_uneven_cnn():
-    config = RunConfig(model="cnn", blocks=6, width=8, batch=16, stages=4, micro_batches=4)
+    config = RunConfig(model="cnn", blocks=6, width=32, batch=64, stages=4, micro_batches=8)
     uniform = experiments.run(config)
     timed = experiments.run(config.but(balance="time"))
     assert uniform.balance == [2, 2, 2, 2]
