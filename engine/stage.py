@@ -64,6 +64,7 @@ class Stage:
         self.ledger = ActivationLedger()
         self.randomness = StageRandomness(list(zip(self.layer_ids, partition)))
         self.state = StageState()
+        self.plan: Optional[StepPlan] = None
 
     def parameters(self) -> list[nn.Parameter]:
         return list(self.partition.parameters())
