@@ -3,7 +3,9 @@
 A cell is *measured* when the host can run its K stages at once (K GPUs, or K cores at one
 thread per stage); otherwise it is the *ideal replay* of task times measured one at a time, and
 says so. Throughput is normalized to K=1, M=1 (the paper's single-device baseline) and to K=1 at
-the same M.
+the same M, like with like: a measured cell by the measured K=1 step, a replayed cell by the
+K=1 step's own task times laid end to end (a replay has no per-step overhead, so comparing it
+with a measured step would flatter it).
 """
 from __future__ import annotations
 
@@ -39,7 +41,7 @@ def measure_table(base: RunConfig, stages: Iterable[int] = (1, 2, 4, 8), micro: 
     """Yield the cells of the grid as they are measured (K=1 first at each M, since the others are
     normalized to it). K larger than the model's layers, or M larger than the batch, is left out."""
     stages, micro = list(stages), list(micro)
-    single: dict[int, float] = {}
+    single: dict[tuple[int, str], float] = {}  # (M, how) -> K=1 samples/s
     for m in micro:
         if m > base.batch:
             continue
@@ -48,12 +50,14 @@ def measure_table(base: RunConfig, stages: Iterable[int] = (1, 2, 4, 8), micro: 
                 continue
             if progress is not None:
                 progress(f"K={k}, M={m}")
-            rate, how, bubble = throughput(run(base.but(stages=k, micro_batches=m), replay=True))
+            record = run(base.but(stages=k, micro_batches=m), replay=True)
+            rate, how, bubble = throughput(record)
             if k == 1:
-                single[m] = rate
+                single[(m, "measured")] = rate
+                single[(m, "ideal replay")] = base.batch / replay.of_record(record, "ideal replay").makespan
             if k in stages:
-                first = single[micro[0]] if micro[0] in single else single[m]
-                yield Cell(k, m, rate, rate / first, rate / single[m], how, bubble)
+                first = micro[0] if (micro[0], how) in single else m
+                yield Cell(k, m, rate, rate / single[(first, how)], rate / single[(m, how)], how, bubble)
 
 
 def table(base: RunConfig, stages: Iterable[int] = (1, 2, 4, 8), micro: Iterable[int] = (1, 4, 32),
