@@ -194,17 +194,10 @@ def show_compare(record: RunRecord, config: RunConfig) -> None:
 
 def show_downloads(record: RunRecord) -> None:
     st.subheader("7 · Take the trace with you")
-    frame = charts.pd.DataFrame(record.events)
     left, right = st.columns(2)
-    left.download_button("trace as Chrome-trace JSON (opens in ui.perfetto.dev)", chrome_trace(record),
+    left.download_button("trace as Chrome-trace JSON (opens in ui.perfetto.dev)", record.chrome_trace(),
                          file_name="gpipe-trace.json", mime="application/json")
-    right.download_button("events as CSV", frame.to_csv(index=False), file_name="gpipe-events.csv", mime="text/csv")
-
-
-def chrome_trace(record: RunRecord) -> str:
-    from engine.trace import Event, Trace
-    trace = Trace(stages=record.stages, events=[Event(**e) for e in record.events])
-    return trace.to_chrome_trace()
+    right.download_button("events as CSV", record.events_csv(), file_name="gpipe-events.csv", mime="text/csv")
 
 
 def main() -> None:

@@ -9,6 +9,7 @@ import time
 from dataclasses import asdict, dataclass, field, replace
 from typing import Callable, Iterable, Optional
 
+import pandas as pd
 import torch
 from torch import nn
 
@@ -16,7 +17,8 @@ from engine import GPipe, balance_by_size, balance_by_time
 from engine.balance import layer_sizes
 from engine.device import cpu_cores
 from engine.microbatch import tensors_of
-from engine.schedule import CHECKPOINT_MODES
+from engine.schedule import CHECKPOINT_MODES, SCHEDULES
+from engine.trace import Event, Trace
 
 from . import host, models, theory
 
@@ -34,6 +36,7 @@ class RunConfig:
     stages: int = 4              # K
     micro_batches: int = 8       # M
     checkpoint: str = "except_last"
+    schedule: str = "gpipe"      # or "1f1b", the later one-forward-one-backward order
     balance: str = "uniform"     # uniform (by layer count), time or size
     seed: int = 0
     device: str = "cpu"          # "cpu": every stage on the CPU; "cuda": stages spread over the GPUs
@@ -74,6 +77,14 @@ class RunRecord:
     def micro_batches(self) -> int:
         return max(e["micro"] for e in self.events) + 1
 
+    def chrome_trace(self) -> str:
+        """The measured step as Chrome-trace JSON (opens in ui.perfetto.dev)."""
+        return Trace(stages=self.stages, events=[Event(**e) for e in self.events]).to_chrome_trace()
+
+    def events_csv(self) -> str:
+        """The measured step's tasks as CSV, one row per task."""
+        return pd.DataFrame(self.events).to_csv(index=False)
+
 
 def check(config: RunConfig) -> None:
     """Raise ValueError with a message a learner can act on if the configuration cannot run."""
@@ -93,6 +104,8 @@ def check(config: RunConfig) -> None:
                          f"use 1 <= M <= N")
     if config.checkpoint not in CHECKPOINT_MODES:
         raise ValueError(f"checkpoint={config.checkpoint!r}: expected one of {CHECKPOINT_MODES}")
+    if config.schedule not in SCHEDULES:
+        raise ValueError(f"schedule={config.schedule!r}: expected one of {tuple(SCHEDULES)}")
     if config.balance not in BALANCES:
         raise ValueError(f"balance={config.balance!r}: expected one of {BALANCES}")
     if config.device not in ("cpu", "cuda"):
@@ -138,6 +151,13 @@ def choose_balance(config: RunConfig, model: nn.Sequential, inputs) -> list[int]
     return balance_by_size(config.stages, model, sample)
 
 
+def pipeline(config: RunConfig, model: nn.Sequential, inputs) -> GPipe:
+    """The engine pipeline of a configuration (deferred batch norm, seeded randomness)."""
+    return GPipe(model, choose_balance(config, model, inputs), devices=devices_for(config),
+                 chunks=config.micro_batches, checkpoint=config.checkpoint, schedule=config.schedule,
+                 seed=config.seed, deferred_batch_norm=True, threads_per_stage=config.threads_per_stage)
+
+
 def run(config: RunConfig, on_event: Optional[Callable] = None, replay: bool = False,
         warmup: int = 1) -> RunRecord:
     """Build the configuration, run `warmup` unrecorded steps, then one measured step.
@@ -152,9 +172,7 @@ def run(config: RunConfig, on_event: Optional[Callable] = None, replay: bool = F
     """
     check(config)
     model, (inputs, targets), loss_fn = build(config)
-    pipe = GPipe(model, choose_balance(config, model, inputs), devices=devices_for(config),
-                 chunks=config.micro_batches, checkpoint=config.checkpoint, seed=config.seed,
-                 deferred_batch_norm=True, threads_per_stage=config.threads_per_stage)
+    pipe = pipeline(config, model, inputs)
     try:
         for step in range(warmup):
             pipe.step(inputs, targets, loss_fn, on_event=on_event if step == 0 else None)
@@ -248,9 +266,7 @@ def train(config: RunConfig, steps: int, lr: float = 3e-3) -> list[float]:
     zoo = models.get(config.model)
     model = zoo.build(config.blocks, config.width, config.seed)
     inputs, _ = zoo.batch(config.batch, config.width, config.seed)
-    pipe = GPipe(model, choose_balance(config, model, inputs), devices=devices_for(config),
-                 chunks=config.micro_batches, checkpoint=config.checkpoint, seed=config.seed,
-                 deferred_batch_norm=True, threads_per_stage=config.threads_per_stage)
+    pipe = pipeline(config, model, inputs)
     optimizer = torch.optim.Adam(pipe.parameters(), lr=lr)
     losses = []
     try:

@@ -16,7 +16,7 @@ import torch
 from engine import GPipe
 
 from . import models
-from .experiments import RunConfig, devices_for
+from .experiments import RunConfig, build, devices_for
 
 
 @dataclass(frozen=True)
@@ -46,7 +46,7 @@ class Largest:
 def breakdown(config: RunConfig) -> list[dict]:
     """Bytes each stage needs for one real training step on CPU: parameters, gradients, Adam's
     two moments and the activation peak measured by the engine's ledger."""
-    model, (inputs, targets), loss_fn = _build(config)
+    model, (inputs, targets), loss_fn = build(config)
     pipe = GPipe(model, config.stages, devices=devices_for(config), chunks=config.micro_batches,
                  checkpoint=config.checkpoint, seed=config.seed, threads_per_stage=config.threads_per_stage)
     try:
@@ -81,7 +81,7 @@ def footprint_cuda(config: RunConfig, budget: int) -> tuple[int, int, bool]:
                                                    device)
     params, pipe = 0, None
     try:
-        model, (inputs, targets), loss_fn = _build(config)
+        model, (inputs, targets), loss_fn = build(config)
         params = sum(p.numel() for p in model.parameters())
         pipe = GPipe(model, config.stages, devices=devices_for(config), chunks=config.micro_batches,
                      checkpoint=config.checkpoint, seed=config.seed)
@@ -146,12 +146,6 @@ def largest(base: RunConfig, stages: int, checkpoint: str, budget: int, max_bloc
     best = max((p for p in probes if p.fits and p.blocks == low), key=lambda p: p.blocks)
     return Largest(label, stages, checkpoint, low, models.get(base.model).layer_count(low), best.params,
                    best.peak_bytes, tuple(probes))
-
-
-def _build(config: RunConfig):
-    zoo = models.get(config.model)
-    model = zoo.build(config.blocks, config.width, config.seed)
-    return model, zoo.batch(config.batch, config.width, config.seed), zoo.loss_fn
 
 
 LADDER = (("naive, K=1, no recompute", 1, "never"), ("K=1 with recompute", 1, "always"),

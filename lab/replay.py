@@ -59,11 +59,11 @@ def measured(events: list[dict], stages: int, label: str = "measured") -> Timeli
 
 
 def ideal_replay(events: list[dict], stages: int, micro_batches: int, checkpoint: str,
-                 label: str = "ideal replay") -> Timeline:
-    """Measured task durations replayed on K independent devices along the GPipe schedule."""
+                 label: str = "ideal replay", schedule: str = "gpipe") -> Timeline:
+    """Measured task durations replayed on K independent devices along the schedule."""
     durations = {(e["stage"], e["op"], e["micro"]): e["end"] - e["start"] for e in events}
     return _laid_out(stages, micro_batches, checkpoint, lambda k, task: durations[(k, task.op, task.micro)],
-                     label, "s")
+                     label, "s", schedule)
 
 
 def theory(stages: int, micro_batches: int, checkpoint: str = "never", costs: Optional[dict] = None,
@@ -84,10 +84,16 @@ def of_record(record, view: str) -> Timeline:
     if view == "ideal replay":
         events = record.solo_events or record.events
         label = "ideal replay of tasks timed alone" if record.solo_events else "ideal replay of measured tasks"
-        return ideal_replay(events, record.stages, record.micro_batches, config["checkpoint"], label)
+        return ideal_replay(events, record.stages, record.micro_batches, config["checkpoint"], label,
+                            config["schedule"])
     if view == "theory":
-        return theory(record.stages, record.micro_batches, config["checkpoint"])
+        return theory(record.stages, record.micro_batches, config["checkpoint"], schedule=config["schedule"])
     raise ValueError(f"unknown view {view!r}; expected 'measured', 'ideal replay' or 'theory'")
+
+
+def task_order(stages: int, micro_batches: int, checkpoint: str, schedule: str, stage: int) -> str:
+    """One stage's task list under a schedule, as text ("F0 F1 B0 ...")."""
+    return " ".join(map(str, SCHEDULES[check_schedule(schedule)](stages, micro_batches, checkpoint)[stage]))
 
 
 def _laid_out(stages: int, micro_batches: int, checkpoint: str, duration, label: str, unit: str,

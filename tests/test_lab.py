@@ -133,3 +133,20 @@ def test_zoo_layers_are_pipeline_units():
     assert x.shape == y.shape == (4, models.CONTEXT) and torch.equal(x[:, 1:], y[:, :-1])
     images, labels = models.shapes_batch(8)
     assert images.shape == (8, 1, 32, 32) and labels.max() < len(models.SHAPES)
+
+
+def test_record_exports():
+    import json
+    record = experiments.run(RunConfig(model="mlp", blocks=2, width=32, batch=8, stages=2, micro_batches=2))
+    chrome = json.loads(record.chrome_trace())
+    assert len([e for e in chrome["traceEvents"] if e["ph"] == "X"]) == len(record.events)
+    lines = record.events_csv().strip().splitlines()
+    assert lines[0] == "stage,micro,op,start,end,device" and len(lines) == len(record.events) + 1
+
+
+def test_one_f_one_b_runs_through_the_lab():
+    config = RunConfig(model="mlp", blocks=4, width=32, batch=16, stages=2, micro_batches=8, checkpoint="never")
+    gpipe, ofob = experiments.run(config), experiments.run(config.but(schedule="1f1b"))
+    assert ofob.memory[-1]["activation_peak_bytes"] < gpipe.memory[-1]["activation_peak_bytes"]
+    assert replay.task_order(2, 3, "never", "1f1b", stage=1) == "F0 B0 F1 B1 F2 B2"
+    assert replay.of_record(ofob, "theory").label == "theory (unit costs), 1f1b"

@@ -20,3 +20,15 @@ def test_ci_runs_the_readme_test_command_verbatim():
 
 def test_requirements_pin_cpu_friendly_torch():
     assert "torch==2.13.0" in (ROOT / "requirements.txt").read_text().splitlines()
+
+
+def test_ui_layers_only_call_lab_and_engine_knows_no_ui():
+    import json
+    sources = {"app.py": (ROOT / "app.py").read_text()}
+    for path in (ROOT / "notebooks").glob("*.ipynb"):
+        cells = json.loads(path.read_text())["cells"]
+        sources[path.name] = "\n".join("".join(c["source"]) for c in cells if c["cell_type"] == "code")
+    for name, source in sources.items():
+        assert not re.search(r"^\s*(from|import) engine", source, re.M), name
+    for path in list((ROOT / "engine").glob("*.py")) + list((ROOT / "lab").glob("*.py")):
+        assert not re.search(r"^\s*(from|import) (streamlit|ipywidgets|IPython)", path.read_text(), re.M), path.name
