@@ -5,6 +5,7 @@ unpipelined model on the whole batch.
 """
 from __future__ import annotations
 
+import importlib.util
 import io
 import os
 import socket
@@ -104,11 +105,7 @@ def ours(work: Workload, micro: int, rounds: int, reference, checkpoint: str = "
 
 
 def torchgpipe_available() -> bool:
-    try:
-        import torchgpipe  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    return importlib.util.find_spec("torchgpipe") is not None
 
 
 def torchgpipe_peer(work: Workload, micro: int, rounds: int, reference, checkpoint: str = "never") -> Result:

@@ -24,7 +24,7 @@ from tqdm import tqdm
 
 from engine.device import keep_freed_cpu_memory
 
-from . import fit, host, models, peers, speedup, theory
+from . import fit, host, peers, speedup, theory
 from .experiments import RunConfig
 
 

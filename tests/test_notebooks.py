@@ -1,6 +1,5 @@
 """Every notebook runs end to end (small sizes, GPIPE_LAB_QUICK=1) and is committed without outputs."""
 import json
-import os
 from pathlib import Path
 
 import nbformat
