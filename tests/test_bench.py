@@ -6,9 +6,14 @@ def test_quick_benchmark_prints_every_row(capsys):
     bench.main(["--quick"])
     out = capsys.readouterr().out
     rows = [line for line in out.splitlines() if line.startswith("| ") and "---" not in line][1:]
-    assert len(rows) == 9
+    assert len(rows) == 10
     assert any("speedup K=2 over K=1 at M=32" in row for row in rows)
-    assert any("ceiling" in row for row in rows)
+    assert any("ceiling: both halves" in row for row in rows)
+    assert any("bare matrix products" in row for row in rows)
     for row in rows:
         value = row.split("|")[2].strip().strip("*")
-        assert value.endswith(("samples/s", "x")) and float(value.split()[0].rstrip("x")) > 0
+        first = value.split()[0]
+        assert first.endswith("x") or value.endswith("samples/s")
+        assert float(first.rstrip("x")) > 0
+        if first.endswith("x"):
+            assert "(rounds " in value, "a ratio shows its range over the rounds"
