@@ -15,16 +15,16 @@ import torch
 
 
 class _Held:
-    """What autograd stores instead of a saved tensor: the tensor plus a release on deletion."""
+    """What autograd stores instead of a saved activation: the tensor plus its ledger entry, which
+    is released when autograd frees this handle."""
 
-    __slots__ = ("tensor", "_release")
+    __slots__ = ("tensor", "_ledger", "_key")
 
-    def __init__(self, tensor: torch.Tensor, release):
-        self.tensor = tensor
-        self._release = release
+    def __init__(self, tensor: torch.Tensor, ledger: "ActivationLedger", key: tuple):
+        self.tensor, self._ledger, self._key = tensor, ledger, key
 
     def __del__(self):
-        self._release()
+        self._ledger._release(self._key)
 
 
 class ActivationLedger:
@@ -42,21 +42,28 @@ class ActivationLedger:
         with self._lock:
             self.peak = self.live
 
-    def hold(self, tensor: torch.Tensor) -> _Held:
-        """Count `tensor`'s storage until the returned handle is deleted."""
-        key = _storage_key(tensor)
-        if key in self._excluded or tensor.untyped_storage().nbytes() == 0:
-            return _Held(tensor, _noop)
+    def hold(self, tensor: torch.Tensor):
+        """Count `tensor`'s storage until the returned handle is deleted (parameters and empty
+        tensors are not counted and come back as they are: the pack hook runs for every tensor
+        autograd saves, so it stays lean)."""
+        storage = tensor.untyped_storage()
+        key = (tensor.device, storage.data_ptr())
+        if key in self._excluded:
+            return tensor
+        size = storage.nbytes()
+        if size == 0:
+            return tensor
         with self._lock:
             entry = self._holders.get(key)
             if entry is None:
-                entry = self._holders[key] = [tensor.untyped_storage().nbytes(), 0]
-                self.live += entry[0]
-                self.peak = max(self.peak, self.live)
+                entry = self._holders[key] = [size, 0]
+                self.live += size
+                if self.live > self.peak:
+                    self.peak = self.live
             entry[1] += 1
-        return _Held(tensor, lambda: self._release(key))
+        return _Held(tensor, self, key)
 
-    def hold_all(self, tensors: Iterable[torch.Tensor]) -> list[_Held]:
+    def hold_all(self, tensors: Iterable[torch.Tensor]) -> list:
         """Count several tensors (e.g. a stage input kept for recompute) until the handles go."""
         return [self.hold(t) for t in tensors]
 
@@ -79,9 +86,5 @@ def _storage_key(tensor: torch.Tensor) -> tuple:
     return tensor.device, tensor.untyped_storage().data_ptr()
 
 
-def _unpack(held: _Held) -> torch.Tensor:
-    return held.tensor
-
-
-def _noop() -> None:
-    pass
+def _unpack(packed) -> torch.Tensor:
+    return packed.tensor if type(packed) is _Held else packed
