@@ -2,15 +2,21 @@
 torch.distributed.pipelining's ScheduleGPipe (two processes over gloo, one core each) and, when it
 is installed, torchgpipe. Every implementation is also checked for gradient exactness against the
 unpipelined model on the whole batch.
+
+The host is noisy, so the contenders are timed side by side: at each M, every round runs one step
+of each of them in turn, and a speedup is the median over the rounds of the ratio to the one-core
+step of the same round.
 """
 from __future__ import annotations
 
 import importlib.util
 import io
 import os
+import queue
 import socket
 import statistics
 import time
+import traceback
 from dataclasses import dataclass
 from typing import Callable, Iterator, Optional
 
@@ -19,8 +25,11 @@ import torch.multiprocessing as mp
 from torch import nn
 
 from engine import GPipe
+from engine.device import keep_freed_cpu_memory
 
 from . import theory
+
+BASELINE = "one core, no pipeline"
 
 
 @dataclass(frozen=True)
@@ -47,9 +56,12 @@ class Workload:
 class Result:
     peer: str
     micro_batches: int
-    seconds: float            # median seconds per training step
+    times: tuple[float, ...]  # seconds per training step, one per round
     max_grad_diff: float      # largest |gradient - unpipelined gradient|
 
+    @property
+    def seconds(self) -> float:
+        return statistics.median(self.times)
 
 
 def reference_grads(work: Workload) -> list[torch.Tensor]:
@@ -64,160 +76,226 @@ def _difference(grads: list[torch.Tensor], reference: list[torch.Tensor]) -> flo
     return max((a - b).abs().max().item() for a, b in zip(grads, reference))
 
 
-def _timed(step: Callable[[], None], rounds: int) -> float:
-    step()
-    times = []
-    for _ in range(rounds):
+def _timed(step: Callable[[], None], threads: Optional[int] = None) -> float:
+    """Seconds one call of `step` takes, with `threads` intra-op threads in this thread if given."""
+    previous = torch.get_num_threads()
+    if threads:
+        torch.set_num_threads(threads)
+    try:
         start = time.perf_counter()
         step()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
-def single_device(work: Workload, micro: int, rounds: int, reference) -> Result:
-    """The baseline: one core, plain PyTorch, the batch as `micro` accumulated micro-batches."""
-    model, (x, y) = work.model(), work.data()
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        def step():
-            model.zero_grad()
-            for xc, yc in zip(x.chunk(micro), y.chunk(micro)):
-                (nn.functional.mse_loss(model(xc), yc) * (xc.shape[0] / work.batch)).backward()
-        seconds = _timed(step, rounds)
+        return time.perf_counter() - start
     finally:
         torch.set_num_threads(previous)
-    return Result("one core, no pipeline", micro, seconds, _difference([p.grad for p in model.parameters()], reference))
 
 
-def ours(work: Workload, micro: int, rounds: int, reference, checkpoint: str = "never") -> Result:
+class InProcess:
+    """A contender that trains in this process: `step()` times one training step, `grads()` are
+    the gradients of the last one."""
+
+    def __init__(self, name: str, model: nn.Sequential, train: Callable[[], None],
+                 threads: Optional[int] = None, close: Callable[[], None] = lambda: None):
+        self.name, self.model, self.train, self.threads, self.close = name, model, train, threads, close
+
+    def step(self) -> float:
+        self.model.zero_grad()
+        return _timed(self.train, self.threads)
+
+    def grads(self) -> list[torch.Tensor]:
+        return [p.grad for p in self.model.parameters()]
+
+
+def single_device(work: Workload, micro: int, checkpoint: str) -> InProcess:
+    """The baseline: one core, plain PyTorch, the batch as `micro` accumulated micro-batches
+    (`checkpoint` does not apply: plain PyTorch keeps every activation)."""
+    model, (x, y) = work.model(), work.data()
+
+    def train():
+        for xc, yc in zip(x.chunk(micro), y.chunk(micro)):
+            (nn.functional.mse_loss(model(xc), yc) * (xc.shape[0] / work.batch)).backward()
+    return InProcess(BASELINE, model, train, threads=1)
+
+
+def ours(work: Workload, micro: int, checkpoint: str) -> InProcess:
     """This project's engine: K=2 stages, one thread (core) each."""
     model, (x, y) = work.model(), work.data()
     pipe = GPipe(model, 2, chunks=micro, checkpoint=checkpoint, threads_per_stage=1)
-    try:
-        def step():
-            model.zero_grad()
-            pipe.step(x, y, nn.functional.mse_loss)
-        seconds = _timed(step, rounds)
-    finally:
-        pipe.close()
-    return Result("gpipe-lab engine", micro, seconds, _difference([p.grad for p in model.parameters()], reference))
+    return InProcess("gpipe-lab engine", model, lambda: pipe.step(x, y, nn.functional.mse_loss), close=pipe.close)
 
 
 def torchgpipe_available() -> bool:
     return importlib.util.find_spec("torchgpipe") is not None
 
 
-def torchgpipe_peer(work: Workload, micro: int, rounds: int, reference, checkpoint: str = "never") -> Result:
+def torchgpipe_peer(work: Workload, micro: int, checkpoint: str) -> InProcess:
     """torchgpipe's GPipe with both partitions on "cpu" (it runs one worker per device, so the two
     stages share one worker thread on a CPU host)."""
     import torchgpipe
     model, (x, y) = work.model(), work.data()
     pipe = torchgpipe.GPipe(model, balance=[work.blocks // 2, work.blocks - work.blocks // 2],
                             devices=["cpu", "cpu"], chunks=micro, checkpoint=checkpoint)
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        def step():
-            model.zero_grad()
-            nn.functional.mse_loss(pipe(x), y).backward()
-        seconds = _timed(step, rounds)
-    finally:
-        torch.set_num_threads(previous)
-    return Result("torchgpipe", micro, seconds, _difference([p.grad for p in model.parameters()], reference))
+    return InProcess("torchgpipe", model, lambda: nn.functional.mse_loss(pipe(x), y).backward(), threads=1)
 
 
-def torch_pipelining(work: Workload, micros: list[int], rounds: int, reference) -> list[Result]:
-    """torch.distributed.pipelining ScheduleGPipe: two processes (one stage and one core each)
-    talking over gloo on loopback; all micro-batch counts are timed in one process group."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    context = mp.get_context("spawn")
-    queue = context.Queue()
-    processes = [context.Process(target=_pipelining_worker, args=(rank, port, work, micros, rounds, queue))
-                 for rank in range(2)]
-    for process in processes:
-        process.start()
-    try:
-        replies = sorted((queue.get(timeout=600) for _ in processes), key=lambda r: r[0])
-    finally:
-        for process in processes:
-            process.join(timeout=60)
+class PipeliningProcesses:
+    """torch.distributed.pipelining ScheduleGPipe in two processes (one stage and one core each)
+    talking over gloo on loopback, kept alive for the whole race and driven step by step, so that
+    its steps interleave with the other contenders'. A step's time is the slower rank's, each
+    measured from a barrier."""
+
+    name = "torch.distributed.pipelining ScheduleGPipe"
+
+    def __init__(self, work: Workload, tuned_malloc: bool, timeout_s: float = 600):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        context = mp.get_context("spawn")
+        self.timeout_s = timeout_s
+        self.replies = context.Queue()
+        self.commands = [context.Queue() for _ in range(2)]
+        self.processes = [context.Process(target=_pipelining_worker, daemon=True,
+                                          args=(rank, port, work, tuned_malloc, self.commands[rank], self.replies))
+                          for rank in range(2)]
+        for process in self.processes:
+            process.start()
+
+    def ask(self, command: str, micro: int = 0) -> list:
+        """Send `command` to both ranks and return their answers, rank 0 first; a failure in a
+        worker is raised here with its traceback, a dead or silent worker after at most the timeout."""
+        for commands in self.commands:
+            commands.put((command, micro))
+        answers, deadline = {}, time.monotonic() + self.timeout_s
+        while len(answers) < 2:
+            try:
+                rank, ok, answer = self.replies.get(timeout=1)
+            except queue.Empty:
+                dead = [p.exitcode for p in self.processes if not p.is_alive()]
+                if dead or time.monotonic() > deadline:
+                    raise RuntimeError(f"torch.distributed.pipelining workers stopped answering '{command}' "
+                                       f"at M={micro} (exit codes {dead or 'none: timed out'})") from None
+                continue
+            if not ok:
+                raise RuntimeError(f"torch.distributed.pipelining rank {rank} failed at M={micro}:\n{answer}")
+            answers[rank] = answer
+        return [answers[0], answers[1]]
+
+    def at(self, micro: int) -> "PipeliningAt":
+        return PipeliningAt(self, micro)
+
+    def close(self) -> None:
+        for commands in self.commands:
+            commands.put(("stop", 0))
+        for process in self.processes:
+            process.join(timeout=30)
             if process.is_alive():
                 process.kill()
-    grads_by_rank = [torch.load(io.BytesIO(reply[2])) for reply in replies]
-    results = []
-    for i, micro in enumerate(micros):
-        seconds = max(reply[1][i] for reply in replies)
-        grads = grads_by_rank[0][i] + grads_by_rank[1][i]
-        results.append(Result("torch.distributed.pipelining ScheduleGPipe", micro, seconds,
-                              _difference(grads, reference)))
-    return results
+                process.join()
 
 
-def _pipelining_worker(rank: int, port: int, work: Workload, micros: list[int], rounds: int, queue) -> None:
+@dataclass
+class PipeliningAt:
+    """The two-process peer seen as a contender at one M."""
+
+    processes: PipeliningProcesses
+    micro: int
+    name: str = PipeliningProcesses.name
+
+    def step(self) -> float:
+        return max(self.processes.ask("step", self.micro))
+
+    def grads(self) -> list[torch.Tensor]:
+        first, second = self.processes.ask("grads", self.micro)
+        return torch.load(io.BytesIO(first)) + torch.load(io.BytesIO(second))
+
+    def close(self) -> None:
+        pass
+
+
+def _pipelining_worker(rank: int, port: int, work: Workload, tuned_malloc: bool, commands, replies) -> None:
+    """One rank: builds its half of the model, then serves ("step" | "grads" | "stop", M) commands.
+    With `tuned_malloc` its malloc keeps freed memory, as the racing process's does."""
     import torch.distributed as dist
     from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    if tuned_malloc:
+        keep_freed_cpu_memory()
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=2)
     try:
         model, (x, y) = work.model(), work.data()
         half = work.blocks // 2
         part = nn.Sequential(*(list(model)[:half] if rank == 0 else list(model)[half:]))
-        times, grads = [], []
-        for micro in micros:
-            stage = PipelineStage(part, rank, 2, torch.device("cpu"))
-            schedule = ScheduleGPipe(stage, n_microbatches=micro, loss_fn=nn.functional.mse_loss)
-
-            def step():
-                part.zero_grad()
-                if rank == 0:
-                    schedule.step(x)
+        schedules: dict[int, ScheduleGPipe] = {}
+        while True:
+            command, micro = commands.get()
+            if command == "stop":
+                return
+            try:
+                if micro not in schedules:
+                    stage = PipelineStage(part, rank, 2, torch.device("cpu"))
+                    schedules[micro] = ScheduleGPipe(stage, n_microbatches=micro, loss_fn=nn.functional.mse_loss)
+                if command == "step":
+                    part.zero_grad()
+                    dist.barrier()
+                    start = time.perf_counter()
+                    if rank == 0:
+                        schedules[micro].step(x)
+                    else:
+                        schedules[micro].step(target=y, losses=[])
+                    replies.put((rank, True, time.perf_counter() - start))
+                elif command == "grads":
+                    buffer = io.BytesIO()  # plain bytes: shared-memory tensors would die with this process
+                    torch.save([p.grad.clone() for p in part.parameters()], buffer)
+                    replies.put((rank, True, buffer.getvalue()))
                 else:
-                    schedule.step(target=y, losses=[])
-            step()
-            measured = []
-            for _ in range(rounds):
-                dist.barrier()
-                start = time.perf_counter()
-                step()
-                measured.append(time.perf_counter() - start)
-            times.append(statistics.median(measured))
-            grads.append([p.grad.clone() for p in part.parameters()])
-        buffer = io.BytesIO()  # plain bytes: shared-memory tensors would die with this process
-        torch.save(grads, buffer)
-        queue.put((rank, times, buffer.getvalue()))
+                    raise ValueError(f"unknown command {command!r}; expected 'step', 'grads' or 'stop'")
+            except Exception:
+                replies.put((rank, False, traceback.format_exc()))
+                return
     finally:
         dist.destroy_process_group()
 
 
 def race(work: Workload, micros: list[int], rounds: int, progress: Optional[Callable[[str], None]] = None,
-         checkpoint: str = "never") -> Iterator[Result]:
-    """Yield every peer's result at every M, the one-core baseline first at each M."""
+         checkpoint: str = "never") -> Iterator[list[Result]]:
+    """Yield, M after M, every peer's result at that M, the one-core baseline first. At each M the
+    contenders take turns, one step each per round, after one untimed warm-up step each. Every
+    process in the race, the peer's two included, gets the same malloc tuning (see
+    engine.device.keep_freed_cpu_memory)."""
+    tuned_malloc = keep_freed_cpu_memory()
     reference = reference_grads(work)
-    for micro in micros:
-        for name, peer in (("one core", single_device), ("gpipe-lab", ours), ("torchgpipe", torchgpipe_peer)):
-            if name == "torchgpipe" and not torchgpipe_available():
-                continue
-            if progress:
-                progress(f"{name}, M={micro}")
-            extra = {} if name == "one core" else {"checkpoint": checkpoint}
-            yield peer(work, micro, rounds, reference, **extra)
-    if progress:
-        progress("torch.distributed.pipelining, all M (2 processes)")
-    yield from torch_pipelining(work, micros, rounds, reference)
+    builders = [single_device, ours] + ([torchgpipe_peer] if torchgpipe_available() else [])
+    pipelining = PipeliningProcesses(work, tuned_malloc)
+    try:
+        for micro in micros:
+            contenders = [build(work, micro, checkpoint) for build in builders] + [pipelining.at(micro)]
+            try:
+                times: list[list[float]] = [[] for _ in contenders]
+                for round_ in range(rounds + 1):
+                    for contender, measured in zip(contenders, times):
+                        if progress:
+                            progress(f"M={micro}, round {round_}/{rounds}: {contender.name}")
+                        seconds = contender.step()
+                        if round_:
+                            measured.append(seconds)
+                yield [Result(contender.name, micro, tuple(measured), _difference(contender.grads(), reference))
+                       for contender, measured in zip(contenders, times)]
+            finally:
+                for contender in contenders:
+                    contender.close()
+    finally:
+        pipelining.close()
 
 
 def table_rows(results: list[Result], batch: int) -> list[dict]:
-    """One row per (peer, M): samples/s, speedup over one core at the same M, share of the ideal."""
-    baseline = {r.micro_batches: r.seconds for r in results if r.peer == "one core, no pipeline"}
+    """One row per (peer, M): samples/s (median step), speedup over one core at the same M (median
+    of the per-round ratios), share of the ideal."""
+    baseline = {r.micro_batches: r.times for r in results if r.peer == BASELINE}
     rows = []
-    for r in sorted(results, key=lambda r: (r.micro_batches, r.peer != "one core, no pipeline", r.peer)):
-        speedup = baseline[r.micro_batches] / r.seconds
-        stages = 1 if r.peer == "one core, no pipeline" else 2
+    for r in sorted(results, key=lambda r: (r.micro_batches, r.peer != BASELINE, r.peer)):
+        speedup = statistics.median(b / t for b, t in zip(baseline[r.micro_batches], r.times))
+        stages = 1 if r.peer == BASELINE else 2
         rows.append({"M": r.micro_batches, "implementation": r.peer, "samples/s": round(batch / r.seconds, 1),
                      "speedup vs one core": round(speedup, 2),
                      "of ideal": round(speedup / theory.ideal_speedup(stages, r.micro_batches), 2),

@@ -102,7 +102,7 @@ def memory_config(args) -> tuple[RunConfig, int, int]:
 def peers_workload(args) -> tuple[peers.Workload, list[int], int]:
     if args.quick:
         return peers.Workload(width=128, blocks=4, batch=64, seed=args.seed), [1, 4], 1
-    return peers.Workload(width=1024, blocks=8, batch=512, seed=args.seed), [1, 4, 8, 16, 32], 3
+    return peers.Workload(width=1024, blocks=8, batch=512, seed=args.seed), [1, 4, 8, 16, 32], 7
 
 
 # --- the three commands ------------------------------------------------------------------------
@@ -138,10 +138,8 @@ def memory_rows(args, progress) -> Iterator[dict]:
 
 def peers_rows(args, progress) -> Iterator[dict]:
     work, micros, rounds = peers_workload(args)
-    results = []
-    for result in peers.race(work, micros, rounds, progress):
-        results.append(result)
-    yield from peers.table_rows(results, work.batch)
+    for results in peers.race(work, micros, rounds, progress):
+        yield from peers.table_rows(results, work.batch)
 
 
 # --- running, writing, printing ----------------------------------------------------------------
@@ -212,7 +210,8 @@ def run_command(name: str, args, rows_of: Callable, out: Path) -> list[dict]:
     if name == "peers":
         work, micros, rounds = peers_workload(args)
         lines.append(f"# model {work.blocks} x (Linear({work.width},{work.width}) + ReLU), batch {work.batch}, "
-                     f"M in {micros}, median of {rounds} step(s), checkpoint never; torchgpipe "
+                     f"M in {micros}, {rounds} interleaved round(s) of one step each after a warm-up, "
+                     f"speedup = median per-round ratio to one core, checkpoint never; torchgpipe "
                      f"{'installed' if peers.torchgpipe_available() else 'not installed'}")
     rows, interrupted = [], False
     with tqdm(desc=name, unit="run", leave=False, file=sys.stderr) as bar:

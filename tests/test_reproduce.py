@@ -50,6 +50,28 @@ def test_peers_quick_races_every_implementation(tmp_path):
     assert {r["M"] for r in rows} == {"1", "4"}
 
 
+def test_a_failing_pipelining_worker_is_reported_promptly_and_nothing_is_left_running():
+    from lab import peers
+    processes = peers.PipeliningProcesses(peers.Workload(width=16, blocks=2, batch=8), tuned_malloc=False,
+                                          timeout_s=60)
+    try:
+        assert len(processes.ask("step", 2)) == 2  # both ranks answer a real step
+        with pytest.raises(RuntimeError, match="rank [01] failed at M=2:(.|\n)*unknown command 'jump'"):
+            processes.ask("jump", 2)
+    finally:
+        processes.close()
+    assert not any(p.is_alive() for p in processes.processes)
+
+
+def test_the_peers_table_pairs_each_round_with_its_baseline():
+    from lab.peers import BASELINE, Result, table_rows
+    results = [Result(BASELINE, 4, (1.0, 2.0, 4.0), 0.0), Result("fast", 4, (0.5, 1.0, 4.0), 0.0)]
+    rows = {r["implementation"]: r for r in table_rows(results, batch=8)}
+    assert rows["fast"]["speedup vs one core"] == 2.0   # per-round ratios 2, 2, 1: median 2
+    assert rows["fast"]["samples/s"] == 8.0              # median step 1 s
+    assert rows["fast"]["of ideal"] == round(2.0 / (2 * 4 / 5), 2)
+
+
 @pytest.mark.parametrize("argv,words", [
     (["speedup", "--device", "cuda"], "no CUDA GPU"),
     (["speedup", "--model", "resnet"], "--model 'resnet'"),
