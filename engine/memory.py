@@ -46,11 +46,10 @@ class ActivationLedger:
         """Count `tensor`'s storage until the returned handle is deleted (parameters and empty
         tensors are not counted and come back as they are: the pack hook runs for every tensor
         autograd saves, so it stays lean)."""
-        storage = tensor.untyped_storage()
-        key = (tensor.device, storage.data_ptr())
+        key = _storage_key(tensor)
         if key in self._excluded:
             return tensor
-        size = storage.nbytes()
+        size = tensor.untyped_storage().nbytes()
         if size == 0:
             return tensor
         with self._lock:
