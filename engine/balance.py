@@ -16,15 +16,17 @@ from .pipe import GPipe
 def balance_by_time(partitions: int, module: nn.Sequential, sample: Value, repeat: int = 3) -> list[int]:
     """Layers per stage that even out forward+backward time, measured on `sample` (a micro-batch).
 
-    The layers are timed on a copy of the model, one layer per stage, exactly as the engine runs
-    them (the model's weights, running statistics and the global random state are left alone).
+    The layers are timed on a copy of the model in training mode (what training costs, whatever
+    mode the model is in), one layer per stage, exactly as the engine runs them; the model's mode,
+    weights, running statistics and the global random state are left alone.
     """
     return solve(layer_times(module, sample, repeat), partitions)
 
 
 def balance_by_size(partitions: int, module: nn.Sequential, sample: Value, param_scale: float = 2.0) -> list[int]:
-    """Layers per stage that even out memory: activations saved for backward, measured on `sample`,
-    plus `param_scale` times the parameter bytes (2 = weights and their gradients)."""
+    """Layers per stage that even out memory: activations saved for backward in training mode,
+    measured on `sample` with copies of the layers, plus `param_scale` times the parameter bytes
+    (2 = weights and their gradients). The model itself, its mode included, is left alone."""
     return solve(layer_sizes(module, sample, param_scale), partitions)
 
 
@@ -63,7 +65,7 @@ def layer_times(module: nn.Sequential, sample: Value, repeat: int = 3) -> list[f
     over `repeat` steps after a warm-up: noise on a shared host only ever adds time.
     """
     check_module(module)
-    sandbox = copy.deepcopy(module)
+    sandbox = copy.deepcopy(module).train()
     device = tensors_of(sample)[0].device
     batch = tensors_of(sample)[0].shape[0]
     pipe = GPipe(sandbox, [1] * len(sandbox), devices=[device] * len(sandbox), chunks=1, checkpoint="never")
@@ -106,13 +108,14 @@ def layer_sizes(module: nn.Sequential, sample: Value, param_scale: float = 2.0,
 
 
 def _per_layer(module: nn.Sequential, sample: Value, measure: Callable) -> list[float]:
-    """Apply `measure(copy_of_layer, input)` to each layer in turn, feeding outputs forward."""
+    """Apply `measure(copy_of_layer, input)` to each layer in turn, feeding outputs forward; the
+    copies are in training mode, as the layers are when a pipeline trains them."""
     check_module(module)
     devices = [sample.device] if isinstance(sample, torch.Tensor) else [t.device for t in sample]
     costs, x = [], sample
     with torch.random.fork_rng(devices=[d for d in devices if d.type == "cuda"]):
         for layer in module:
-            cost, out = measure(copy.deepcopy(layer), as_leaves(x))
+            cost, out = measure(copy.deepcopy(layer).train(), as_leaves(x))
             costs.append(cost)
             x = detached(out)
     return costs

@@ -22,7 +22,10 @@ def check_inputs(inputs) -> int:
     sizes = {t.shape[0] for t in tensors}
     if len(sizes) != 1:
         raise ValueError(f"all input tensors must share the batch size (dim 0), got sizes {sorted(sizes)}")
-    return sizes.pop()
+    size = sizes.pop()
+    if size == 0:
+        raise ValueError("inputs are an empty batch (dim 0 has size 0); expected at least one sample")
+    return size
 
 
 def check_targets(targets, batch_size: int) -> None:
@@ -34,19 +37,12 @@ def check_targets(targets, batch_size: int) -> None:
         raise ValueError(f"targets must have the inputs' batch size {batch_size} in dim 0, got {got}")
 
 
-def check_chunks(chunks: int, batch_size: int) -> None:
-    """Raise if a mini-batch of `batch_size` cannot be split into `chunks` micro-batches."""
-    if chunks > batch_size:
-        raise ValueError(
-            f"chunks={chunks} micro-batches cannot be cut from a mini-batch of {batch_size} samples; "
-            f"expected chunks <= batch size")
-
-
 def scatter(value: Value, chunks: int) -> list[Value]:
     """Split a tensor or tuple of tensors along dim 0 exactly as torch.chunk does.
 
-    torch.chunk may return fewer than `chunks` pieces (batch 5 in 4 chunks gives 2, 2, 1); the
-    pipeline then runs that many micro-batches.
+    torch.chunk may return fewer than `chunks` pieces (batch 5 in 4 chunks gives 2, 2, 1; batch 3
+    gives 3 of 1): the pipeline then runs that many micro-batches, so the short last batch of an
+    epoch trains like any other.
     """
     if isinstance(value, torch.Tensor):
         return list(value.chunk(chunks))

@@ -2,7 +2,8 @@
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Sequence, Union
+from contextlib import contextmanager
+from typing import Callable, Sequence, Union
 
 from torch import nn
 
@@ -48,11 +49,30 @@ def resolve_balance(balance: Union[int, Sequence[int]], layers: int) -> list[int
     return balance
 
 
-def split(module: nn.Sequential, balance: Sequence[int]) -> list[nn.Sequential]:
-    """The stages as nn.Sequentials of the model's own layers (shared, not copied), names kept."""
+class Partition(nn.Sequential):
+    """One stage's layers, the model's own modules. While its stage runs a task, calling it runs the
+    layers the stage's way (random streams, batch norm control), so forward hooks and pre-hooks that
+    users register on a partition see every micro-batch's stage input and output, recompute included."""
+
+    def forward(self, x):
+        run_layers = self.__dict__.get("_run_layers")
+        return super().forward(x) if run_layers is None else run_layers(x)
+
+    @contextmanager
+    def running(self, run_layers: Callable):
+        """Within this block a call of the partition runs `run_layers(x)` instead of plain Sequential."""
+        self.__dict__["_run_layers"] = run_layers
+        try:
+            yield self
+        finally:
+            self.__dict__["_run_layers"] = None
+
+
+def split(module: nn.Sequential, balance: Sequence[int]) -> list[Partition]:
+    """The stages as Partitions of the model's own layers (shared, not copied), names kept."""
     named = list(module._modules.items())  # every entry, even a layer listed twice
     stages, start = [], 0
     for count in balance:
-        stages.append(nn.Sequential(OrderedDict(named[start:start + count])))
+        stages.append(Partition(OrderedDict(named[start:start + count])))
         start += count
     return stages

@@ -9,7 +9,7 @@ from torch import nn
 
 from . import schedule as schedules
 from .device import StageDevice, cpu_cores, resolve_devices
-from .microbatch import Value, check_chunks, check_inputs, check_targets, gather, scatter
+from .microbatch import Value, check_inputs, check_targets, gather, scatter
 from .partition import check_module, resolve_balance, split
 from .rng import mix_seed
 from .stage import Stage, StepPlan
@@ -71,7 +71,7 @@ class GPipe(nn.Module):
             self._threads.close()
             self._threads = None
 
-    def step(self, inputs: Value, targets: torch.Tensor, loss_fn: Callable, on_event: EventCallback = None,
+    def step(self, inputs: Value, targets: torch.Tensor, loss_fn: Callable, *, on_event: EventCallback = None,
              serial: bool = False):
         """One mini-batch: pipelined forward and backward, gradients summed into `.grad`.
 
@@ -86,7 +86,6 @@ class GPipe(nn.Module):
             raise TypeError(f"loss_fn must be callable, got {loss_fn!r}")
         batch = check_inputs(inputs)
         check_targets(targets, batch)
-        check_chunks(self.chunks, batch)
         micro_inputs, micro_targets = scatter(inputs, self.chunks), scatter(targets, self.chunks)
         sizes = [check_inputs(x) for x in micro_inputs]
         count = len(micro_inputs)
@@ -97,21 +96,23 @@ class GPipe(nn.Module):
         self.steps_done += 1
         self._run(plan, schedules.SCHEDULES[self.schedule](len(self._stages), count, self.checkpoint), batch,
                   "serial step" if serial else "step", on_event, serial)
-        for stage in self._stages:
-            if stage.batch_norm is not None:
-                stage.batch_norm.finish_step()
         losses = self._stages[-1].state.losses
         loss = sum(losses[m] * plan.weights[m] for m in range(count))
         self._forget_state()
         return loss
 
-    def forward(self, inputs: Value, on_event: EventCallback = None) -> Value:
+    def forward(self, inputs: Value, *extra, on_event: EventCallback = None) -> Value:
         """Forward only (inference/evaluation), pipelined over micro-batches, without graphs.
 
         Returns the outputs of all micro-batches joined along dim 0, on the last stage's device.
+        Layers run in their own mode: after `pipe.train()` batch norm normalizes each micro-batch
+        with its own statistics and updates the running ones (with deferred batch norm, once for
+        the whole mini-batch, as nn.BatchNorm on it would); after `pipe.eval()` nothing changes.
         """
+        if extra:
+            raise TypeError(f"GPipe takes one input value, got {1 + len(extra)} positional arguments; "
+                            f"pass several input tensors as one tuple: pipe((a, b))")
         batch = check_inputs(inputs)
-        check_chunks(self.chunks, batch)
         micro_inputs = scatter(inputs, self.chunks)
         count = len(micro_inputs)
         plan = StepPlan(inputs=micro_inputs, targets=None, loss_fn=None, weights=[], checkpointed=[False] * count,
@@ -150,6 +151,9 @@ class GPipe(nn.Module):
             self._forget_state()
             raise
         wall = time.perf_counter() - t0
+        for stage in self._stages:
+            if stage.batch_norm is not None:
+                stage.batch_norm.finish_step()
         self.trace = Trace(stages=len(self._stages), micro_batches=len(plan.inputs), batch_size=batch,
                            checkpoint=self.checkpoint, kind=kind, events=events,
                            memory=[self._memory_of(stage) for stage in self._stages], wall=wall)

@@ -18,6 +18,7 @@ from .batchnorm import StageBatchNorm, batch_norm_layers
 from .device import StageDevice
 from .memory import ActivationLedger
 from .microbatch import Value, as_leaves, detached, rebuild, tensors_of
+from .partition import Partition
 from .rng import StageRandomness
 from .schedule import Task
 from .transport import message_key
@@ -50,7 +51,7 @@ class StageState:
 class Stage:
     """Layers `first .. first+len-1` of the model, placed on one device."""
 
-    def __init__(self, index: int, count: int, partition: nn.Sequential, first: int,
+    def __init__(self, index: int, count: int, partition: Partition, first: int,
                  device: StageDevice, deferred_batch_norm: bool):
         self.index = index
         self.is_first = index == 0
@@ -153,11 +154,15 @@ class Stage:
         if self.batch_norm is not None:
             self.batch_norm.micro = micro
         counting = self.plan.record_memory and torch.is_grad_enabled()
-        with self.ledger.saving() if counting else nullcontext():
+
+        def each_layer(x: Value) -> Value:
             for layer_id, layer, has_bn in zip(self.layer_ids, self.partition, self._has_batch_norm):
                 with self.batch_norm if has_bn else nullcontext():
                     x = self.randomness.run(layer_id, layer, x, micro)
-        return x
+            return x
+
+        with self.ledger.saving() if counting else nullcontext(), self.partition.running(each_layer) as partition:
+            return partition(x)  # through nn.Module.__call__, so hooks on the partition run
 
     def _loss(self, output: Value, micro: int) -> torch.Tensor:
         target = self.device.to_here(self.plan.targets[micro])

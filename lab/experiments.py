@@ -99,9 +99,8 @@ def check(config: RunConfig) -> None:
         raise ValueError(f"K={config.stages} stages but the {config.model} has only {config.layers} layers "
                          f"({config.blocks} blocks + {config.layers - config.blocks}): use K <= {config.layers} "
                          f"or more blocks")
-    if not 1 <= config.micro_batches <= config.batch:
-        raise ValueError(f"M={config.micro_batches} micro-batches cannot be cut from a mini-batch of N={config.batch}: "
-                         f"use 1 <= M <= N")
+    if config.micro_batches < 1:
+        raise ValueError(f"M={config.micro_batches}: a mini-batch is cut into at least one micro-batch")
     if config.checkpoint not in CHECKPOINT_MODES:
         raise ValueError(f"checkpoint={config.checkpoint!r}: expected one of {CHECKPOINT_MODES}")
     if config.schedule not in SCHEDULES:

@@ -70,7 +70,7 @@ def test_other_charts():
 
 @pytest.mark.parametrize("changes,words", [
     (dict(stages=9, blocks=2), "K=9 stages but the transformer has only 4 layers"),
-    (dict(micro_batches=40, batch=32), "M=40 micro-batches cannot be cut from a mini-batch of N=32"),
+    (dict(micro_batches=0), "M=0: a mini-batch is cut into at least one micro-batch"),
     (dict(model="resnet"), "unknown model 'resnet'"),
     (dict(balance="random"), "balance='random'"),
     (dict(checkpoint="maybe"), "checkpoint='maybe'"),
