@@ -46,14 +46,20 @@ def resolve_devices(devices: Optional[Sequence], stages: int) -> list[torch.devi
         if torch.cuda.is_available() and torch.cuda.device_count() >= stages:
             return [torch.device("cuda", k) for k in range(stages)]
         return [torch.device("cpu")] * stages
+    return [check_device(d, i) for i, d in enumerate(one_per_stage(devices, stages))]
+
+
+def one_per_stage(devices, stages: int) -> list:
+    """Check that `devices` is a list with one entry per stage, and return it as a list."""
     if isinstance(devices, (str, torch.device)) or not isinstance(devices, Sequence):
         raise TypeError(f"devices must be a list with one device per stage, got {devices!r}")
     if len(devices) != stages:
         raise ValueError(f"devices has {len(devices)} entries but there are {stages} stages; expected one per stage")
-    return [_check_device(d, i) for i, d in enumerate(devices)]
+    return list(devices)
 
 
-def _check_device(device, index: int) -> torch.device:
+def check_device(device, index: int) -> torch.device:
+    """`devices[index]` as a torch.device, or a ValueError saying why this host cannot use it."""
     try:
         resolved = torch.device(device)
     except (RuntimeError, TypeError) as err:

@@ -21,6 +21,7 @@ from .microbatch import Value, as_leaves, detached, rebuild, tensors_of
 from .partition import Partition
 from .rng import StageRandomness
 from .schedule import Task
+from .trace import Event
 from .transport import message_key
 
 
@@ -54,6 +55,7 @@ class Stage:
     def __init__(self, index: int, count: int, partition: Partition, first: int,
                  device: StageDevice, deferred_batch_norm: bool):
         self.index = index
+        self.count = count
         self.is_first = index == 0
         self.is_last = index == count - 1
         self.partition = partition
@@ -69,6 +71,13 @@ class Stage:
 
     def parameters(self) -> list[nn.Parameter]:
         return list(self.partition.parameters())
+
+    def event(self, task: Task, start, end, timed: bool = False) -> Event:
+        """The trace event of a task that ran between two marks (`timed`: marks still to be read
+        as seconds, which on CUDA waits for the GPU)."""
+        if timed:
+            start, end = self.device.seconds(start), self.device.seconds(end)
+        return Event(self.index, task.micro, task.op, start, end, str(self.device.device))
 
     def start(self, plan: StepPlan, t0: float) -> None:
         """Reset per-call state before the workers start."""

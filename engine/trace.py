@@ -23,6 +23,26 @@ class Event:
 
 
 @dataclass(frozen=True)
+class Message:
+    """An activation ("act") or gradient ("grad") crossing between stage processes, as one side saw
+    it: on the sender (`direction` "send") from the hand-over to the completed send, on the receiver
+    ("receive") from the first byte's arrival to the value being ready. Seconds from the step's start."""
+
+    stage: int
+    peer: int
+    direction: str
+    kind: str
+    micro: int
+    bytes: int
+    start: float
+    end: float
+
+    @property
+    def duration(self) -> float:
+        return self.end - self.start
+
+
+@dataclass(frozen=True)
 class StageMemory:
     """Memory of one stage: bytes of its parameters and gradients, and the activation peak.
 
@@ -41,7 +61,8 @@ class StageMemory:
 
 @dataclass
 class Trace:
-    """The record of the last `step()` or forward call of a GPipe."""
+    """The record of the last `step()` or forward call of a GPipe. With stages as processes
+    (`group=`), `messages` holds what crossed between them, and `transport` says "processes"."""
 
     stages: int = 0
     micro_batches: int = 0
@@ -51,6 +72,8 @@ class Trace:
     events: list[Event] = field(default_factory=list)
     memory: list[StageMemory] = field(default_factory=list)
     wall: float = 0.0  # seconds the whole call took, as the caller saw it
+    messages: list[Message] = field(default_factory=list)
+    transport: str = "threads"
 
     @property
     def makespan(self) -> float:
@@ -76,6 +99,24 @@ class Trace:
     def samples_per_second(self) -> float:
         """Mini-batch samples processed per second of makespan."""
         return self.batch_size / self.makespan if self.makespan > 0 else 0.0
+
+    @property
+    def boundary_bytes(self) -> list[dict]:
+        """Per boundary between stage k and k+1: bytes of activations sent forward and of gradients
+        sent back in this call (only messages between processes are counted; threads share memory)."""
+        totals = [{"activations": 0, "gradients": 0} for _ in range(max(self.stages - 1, 0))]
+        for m in self.messages:
+            if m.direction == "send" and abs(m.peer - m.stage) == 1:
+                totals[min(m.stage, m.peer)]["activations" if m.kind == "act" else "gradients"] += m.bytes
+        return totals
+
+    @property
+    def communication(self) -> list[float]:
+        """Seconds each stage spent on messages (sending and receiving, overlapping its tasks or not)."""
+        totals = [0.0] * self.stages
+        for m in self.messages:
+            totals[m.stage] += m.duration
+        return totals
 
     def to_records(self) -> list[dict]:
         """The events as a list of plain dicts (stage, micro, op, start, end, device)."""

@@ -1,13 +1,17 @@
 """How stages hand each other activations and gradients.
 
-The engine only needs two calls: `send(stage, key, payload)` and `Mailbox.get(key)`, where key
-is ("act" | "grad", micro-batch), named by the task that waits for it. Here stages are threads in
-one process and mailboxes are queues; a transport between processes (torch.distributed send/recv)
-can offer the same two calls and reuse the stage and schedule code unchanged.
+A stage's worker needs two calls: `receive(stage, key)` for what its next task needs from a
+neighbour, and `send(source, destination, key, value)` for what a task produced for one. The key is
+("act" | "grad", micro-batch), named by the task that waits for it. `ThreadTransport` connects K
+stage threads of one process through mailboxes; `engine.distributed.ProcessTransport` offers the
+same two calls between processes over torch.distributed, so stage and schedule code are shared.
 """
 from __future__ import annotations
 
 import queue
+from typing import Callable, Optional
+
+from .microbatch import Value
 
 
 def message_key(task) -> tuple:
@@ -19,6 +23,11 @@ class Aborted(Exception):
     """Raised in a stage worker when another stage failed and the step is being abandoned."""
 
 
+class StageFailed(RuntimeError):
+    """Raised on every rank of a process pipeline when another rank's stage failed, or a rank
+    became unreachable; the message names the rank, stage, micro-batch and task."""
+
+
 _ABORT = object()
 
 
@@ -28,32 +37,61 @@ class Mailbox:
     def __init__(self):
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._arrived: dict = {}
+        self.failure: Optional[BaseException] = None
 
     def put(self, key, payload) -> None:
         self._queue.put((key, payload))
 
-    def get(self, key):
-        """The payload sent under `key`, waiting for it; raises Aborted if the step is abandoned."""
+    def get(self, key, while_waiting: Optional[Callable[[], None]] = None, poll: float = 0.05):
+        """The payload sent under `key`, waiting for it. Raises Aborted if the step is abandoned,
+        or the failure this mailbox was told of. `while_waiting`, if given, is called every `poll`
+        seconds of waiting (it may raise to give up: a watchdog that needs no thread of its own)."""
         while key not in self._arrived:
-            message = self._queue.get()
+            if self.failure is not None:
+                raise self.failure
+            try:
+                message = self._queue.get(timeout=poll) if while_waiting else self._queue.get()
+            except queue.Empty:
+                while_waiting()
+                continue
             if message is _ABORT:
+                if self.failure is not None:
+                    raise self.failure
                 raise Aborted()
             self._arrived[message[0]] = message[1]
         return self._arrived.pop(key)
 
     def abort(self) -> None:
+        """Wake the waiting worker with Aborted."""
         self._queue.put(_ABORT)
+
+    def fail(self, error: BaseException) -> None:
+        """From now on every `get` that waits raises `error` (a connection is lost for good)."""
+        self.failure = error
+        self._queue.put(_ABORT)
+
+    def forget(self, keep: Callable[[tuple], bool]) -> None:
+        """Drop messages that arrived but are no longer wanted (those of an abandoned call)."""
+        self._arrived = {k: v for k, v in self._arrived.items() if keep(k)}
 
 
 class ThreadTransport:
-    """Mailboxes for K stage threads in one process."""
+    """Mailboxes for K stage threads in one process; values move between the stages' devices."""
 
-    def __init__(self, stages: int):
-        self.mailboxes = [Mailbox() for _ in range(stages)]
+    def __init__(self, stages: list):
+        self.stages = stages
+        self.mailboxes = [Mailbox() for _ in stages]
 
-    def send(self, stage: int, key, payload) -> None:
-        """Deliver `payload` to `stage` under `key`."""
-        self.mailboxes[stage].put(key, payload)
+    def receive(self, stage: int, key):
+        """What another stage sent to `stage` under `key`: (value, ready event or None), for
+        `StageDevice.receive` on the receiving stage."""
+        return self.mailboxes[stage].get(key)
+
+    def send(self, source: int, destination: int, key, value: Value) -> None:
+        """Deliver `value` from stage `source` to stage `destination` under `key`, moving it towards
+        the destination's device on the source's stream."""
+        payload = self.stages[source].device.send(value, self.stages[destination].device.device)
+        self.mailboxes[destination].put(key, payload)
 
     def abort(self) -> None:
         """Wake every stage that waits for a message so it can stop."""

@@ -18,9 +18,9 @@ from typing import Callable, Optional
 from .schedule import Task, timeline, upstream
 from .stage import Stage
 from .trace import Event
-from .transport import Aborted, ThreadTransport, message_key
+from .transport import Aborted, StageFailed, ThreadTransport, message_key
 
-_OP_NAMES = {"F": "forward", "R": "recompute", "B": "backward"}
+OP_NAMES = {"F": "forward", "R": "recompute", "B": "backward"}
 
 
 class StageThreads:
@@ -53,13 +53,13 @@ def _stop(inboxes) -> None:
 def run_schedule(threads: StageThreads, stages: list[Stage], schedule: list[list[Task]],
                  on_event: Optional[Callable[[Event], None]] = None) -> list[Event]:
     """Run every stage's tasks on its worker thread; return the timed events of all tasks."""
-    transport = ThreadTransport(len(stages))
+    transport = ThreadTransport(stages)
     reports: queue.SimpleQueue = queue.SimpleQueue()
     abort = threading.Event()
     marks: list[list] = [[] for _ in stages]
     for stage, tasks in zip(stages, schedule):
         threads.submit(stage.index, partial(_work, stage, tasks, transport, reports, abort, marks[stage.index],
-                                            stages, live=on_event is not None))
+                                            live=on_event is not None))
     failure, running = None, len(stages)
 
     def stop_all() -> None:
@@ -93,7 +93,7 @@ def run_serially(stages: list[Stage], schedule: list[list[Task]],
     Each task is then timed alone on the host; this is what an ideal replay needs on a host with
     fewer cores than stages, where concurrent tasks would time each other's sharing.
     """
-    transport = ThreadTransport(len(stages))
+    transport = ThreadTransport(stages)
     marks: list[list] = [[] for _ in stages]
     unit = timeline(schedule, lambda stage, task: 1.0)
     order = sorted((start, k, i) for k, times in enumerate(unit) for i, (start, _) in enumerate(times))
@@ -101,18 +101,36 @@ def run_serially(stages: list[Stage], schedule: list[list[Task]],
         stage, task = stages[k], schedule[k][i]
         try:
             with stage.device.enter():
-                start, end = _run_task(stage, task, transport, stages)
+                start, end = run_task(stage, task, transport)
         except BaseException as exc:
-            raise _name_place(exc, k, task)
+            raise name_place(exc, k, task)
         marks[k].append((task, start, end))
         if on_event is not None and not stage.device.is_cuda:
-            on_event(Event(k, task.micro, task.op, start, end, str(stage.device.device)))
+            on_event(stage.event(task, start, end))
     return _collect_events(stages, marks, on_event)
 
 
+def run_stage(stage: Stage, tasks: list[Task], transport, on_event: Optional[Callable[[Event], None]] = None,
+              prefix: str = "") -> list[Event]:
+    """Run one stage's task list on the calling thread: the stage of a process that runs one
+    (`engine.rank`). A failure is re-raised with `prefix` (its rank) and its place in the message."""
+    marks, task = [], None
+    try:
+        with stage.device.enter():
+            for task in tasks:
+                start, end = run_task(stage, task, transport)
+                marks.append((task, start, end))
+                if on_event is not None and not stage.device.is_cuda:
+                    on_event(stage.event(task, start, end))
+    except (Aborted, StageFailed):  # another stage's failure: named where it happened
+        raise
+    except BaseException as exc:
+        raise name_place(exc, stage.index, task, prefix)
+    return _collect_events([stage], [marks], on_event)
+
+
 def _collect_events(stages: list[Stage], marks: list[list], on_event) -> list[Event]:
-    events = [Event(s.index, task.micro, task.op, s.device.seconds(a), s.device.seconds(b), str(s.device.device))
-              for s, stage_marks in zip(stages, marks) for task, a, b in stage_marks]
+    events = [s.event(task, a, b, timed=True) for s, stage_marks in zip(stages, marks) for task, a, b in stage_marks]
     events.sort(key=lambda e: (e.start, e.stage))
     if on_event is not None and any(s.device.is_cuda for s in stages):
         for event in events:  # GPU times are known only once the step is over
@@ -120,10 +138,11 @@ def _collect_events(stages: list[Stage], marks: list[list], on_event) -> list[Ev
     return events
 
 
-def _run_task(stage: Stage, task: Task, transport: ThreadTransport, stages: list[Stage]):
-    """Wait for the task's input, run it, hand its output on; return its (start, end) marks."""
-    if upstream(stage.index, task, len(stages)):
-        received = transport.mailboxes[stage.index].get(message_key(task))
+def run_task(stage: Stage, task: Task, transport) -> tuple:
+    """Wait for the task's input, run it, hand its output on; return its (start, end) marks.
+    `transport` is a ThreadTransport or a ProcessTransport: the same code runs either way."""
+    if upstream(stage.index, task, stage.count):
+        received = transport.receive(stage.index, message_key(task))
     else:
         received = None
     start = stage.device.mark()  # after the input arrived: waiting is idle time, not work
@@ -131,12 +150,12 @@ def _run_task(stage: Stage, task: Task, transport: ThreadTransport, stages: list
     end = stage.device.mark()
     if message is not None:  # sent after the end mark: the receiver never starts before it
         destination, key, value = message
-        transport.send(destination, key, stage.device.send(value, stages[destination].device.device))
+        transport.send(stage.index, destination, key, value)
     return start, end
 
 
 def _work(stage: Stage, tasks: list[Task], transport: ThreadTransport, reports: queue.SimpleQueue,
-          abort: threading.Event, marks: list, stages: list[Stage], live: bool) -> None:
+          abort: threading.Event, marks: list, live: bool) -> None:
     """Run one stage's task list for one call, reporting events, completion or failure."""
     task = None
     try:
@@ -144,21 +163,27 @@ def _work(stage: Stage, tasks: list[Task], transport: ThreadTransport, reports: 
             for task in tasks:
                 if abort.is_set():
                     raise Aborted()
-                start, end = _run_task(stage, task, transport, stages)
+                start, end = run_task(stage, task, transport)
                 marks.append((task, start, end))
                 if live and not stage.device.is_cuda:
-                    reports.put(("event", Event(stage.index, task.micro, task.op, start, end, str(stage.device.device))))
+                    reports.put(("event", stage.event(task, start, end)))
         reports.put(("done", None))
     except Aborted:
         reports.put(("done", None))
     except BaseException as exc:  # reported to the caller, who re-raises it
-        reports.put(("failed", _name_place(exc, stage.index, task)))
+        reports.put(("failed", name_place(exc, stage.index, task)))
 
 
-def _name_place(exc: BaseException, stage: int, task: Optional[Task]) -> BaseException:
-    """Put the stage, task and micro-batch in the exception's message, keeping its type."""
-    where = f"stage {stage}" if task is None else (
-        f"stage {stage}, micro-batch {task.micro}, {_OP_NAMES.get(task.op, task.op)} ({task})")
+def place(stage: int, task: Optional[Task]) -> str:
+    """'stage 2, micro-batch 0, forward (F0)': where in the pipeline a task runs."""
+    return f"stage {stage}" if task is None else (
+        f"stage {stage}, micro-batch {task.micro}, {OP_NAMES.get(task.op, task.op)} ({task})")
+
+
+def name_place(exc: BaseException, stage: int, task: Optional[Task], prefix: str = "") -> BaseException:
+    """Put the stage, task and micro-batch (after `prefix`, such as "rank 1, ") in the exception's
+    message, keeping its type."""
+    where = prefix + place(stage, task)
     if exc.args and isinstance(exc.args[0], str):
         exc.args = (f"[{where}] {exc.args[0]}",) + exc.args[1:]
     else:

@@ -27,3 +27,35 @@ def grads(model):
 def batch():
     torch.manual_seed(1)
     return torch.randn(24, 16), torch.randint(0, 3, (24,))
+
+
+class _Split(nn.Module):
+    """Turns a tensor into (features, keep): a tuple value with a bool entry, as stages may pass."""
+
+    def forward(self, x):
+        return x, x[:, :1] > -0.5
+
+
+class _Masked(nn.Module):
+    def __init__(self, width):
+        super().__init__()
+        self.linear = nn.Linear(width, width)
+
+    def forward(self, pair):
+        x, keep = pair
+        return torch.relu(self.linear(x)) * keep, keep
+
+
+class _Head(nn.Module):
+    def __init__(self, width, out):
+        super().__init__()
+        self.linear = nn.Linear(width, out)
+
+    def forward(self, pair):
+        return self.linear(pair[0])
+
+
+def pair_model(width=16, out=3, seed=0):
+    """Layers that hand on (features, bool mask) tuples; their gradients come back as (grad, None)."""
+    torch.manual_seed(seed)
+    return nn.Sequential(_Split(), _Masked(width), _Masked(width), _Masked(width), _Head(width, out))

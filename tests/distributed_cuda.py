@@ -1,0 +1,48 @@
+"""Run under torchrun with 2 processes on a host with 2 GPUs (tests/test_processes.py): stages on
+cuda:0 and cuda:1 over NCCL train 3 steps; each rank compares its stage with the same training done
+by stage threads on the two GPUs, and writes one JSON line to GPIPE_FAULTS_OUT/rank<r>.jsonl."""
+import json
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from conftest import mlp  # noqa: E402
+from engine import GPipe  # noqa: E402
+
+
+def train(pipe, x, y):
+    optimizer = torch.optim.SGD(pipe.parameters(), lr=0.1)
+    for _ in range(3):
+        optimizer.zero_grad()
+        pipe.step(x, y, nn.functional.cross_entropy)
+        optimizer.step()
+
+
+def main():
+    dist.init_process_group("nccl")
+    rank = dist.get_rank()
+    torch.cuda.set_device(rank)
+    torch.manual_seed(1)
+    x, y = torch.randn(32, 16), torch.randint(0, 3, (32,))
+    model = mlp(dropout=0.2)
+    pipe = GPipe(model, 2, chunks=4, seed=3, checkpoint="always", group=dist.group.WORLD)
+    train(pipe, x.cuda() if rank == 0 else None, y.cuda() if rank == 1 else None)
+    reference = mlp(dropout=0.2)
+    threads = GPipe(reference, 2, chunks=4, seed=3, checkpoint="always", devices=["cuda:0", "cuda:1"])
+    train(threads, x.cuda(0), y.cuda(1))
+    mine = [p.cpu() for p in pipe.parameters()]
+    theirs = [p.cpu() for p in threads.partitions[rank].parameters()]
+    with open(os.path.join(os.environ["GPIPE_FAULTS_OUT"], f"rank{rank}.jsonl"), "w") as out:
+        out.write(json.dumps({"rank": rank, "bitwise": all(torch.equal(a, b) for a, b in zip(mine, theirs))}) + "\n")
+    pipe.close()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,136 @@
+"""Run under torchrun by tests/test_processes.py, one process per stage: each scenario makes a pipe
+over the whole group, provokes one fault, and every rank prints one JSON line saying what it raised
+and when (wall-clock seconds, comparable across the ranks of one machine), in a file of its own
+in the folder named by GPIPE_FAULTS_OUT.
+
+    torchrun --standalone --nproc-per-node 3 tests/distributed_faults.py errors
+    torchrun --nnodes 2 ... tests/distributed_faults.py kill      # one process per "node"
+"""
+import json
+import os
+import signal
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from conftest import mlp  # noqa: E402
+from engine import GPipe  # noqa: E402
+
+LOSS = nn.CrossEntropyLoss()
+
+
+class Explodes(nn.Module):
+    """Fails on its `at`-th training forward call (micro-batch at-1 of the first step): by raising,
+    or by killing its own process as a crash would."""
+
+    def __init__(self, at: int, how: str):
+        super().__init__()
+        self.at, self.how, self.calls = at, how, 0
+
+    def forward(self, x):
+        self.calls += 1
+        if self.calls == self.at:
+            report(failed_at=time.time())
+            if self.how == "kill":
+                os.kill(os.getpid(), signal.SIGKILL)
+            raise ZeroDivisionError("boom in forward")
+        return x
+
+
+class ExplodesInBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, t):
+        return t.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        report(failed_at=time.time())
+        raise KeyError("boom in backward")
+
+
+class BackwardBomb(nn.Module):
+    def forward(self, x):
+        return ExplodesInBackward.apply(x)
+
+
+def report(**fields) -> None:
+    """One JSON line in this rank's own file (the ranks' stdout lines could interleave)."""
+    with open(os.path.join(os.environ["GPIPE_FAULTS_OUT"], f"rank{os.environ['RANK']}.jsonl"), "a") as out:
+        out.write(json.dumps({"scenario": SCENARIO, "rank": RANK, **fields}) + "\n")
+
+
+def attempt(call) -> None:
+    """Run `call`, and report what it raised (or that it returned) and when."""
+    try:
+        call()
+        report(raised=None, at=time.time())
+    except Exception as error:  # reported, not hidden: the test reads it
+        report(raised=type(error).__name__, message=str(error), at=time.time())
+
+
+def batch():
+    torch.manual_seed(1)
+    return torch.randn(24, 16), torch.randint(0, 3, (24,))
+
+
+def main(group: str) -> None:
+    global SCENARIO, RANK
+    dist.init_process_group("gloo")
+    RANK, size = dist.get_rank(), dist.get_world_size()
+    x, y = batch()
+    last = size - 1
+    inputs, targets = (x if RANK == 0 else None), (y if RANK == last else None)
+    if group == "kill":
+        SCENARIO = "kill"
+        model = mlp()
+        model.insert(7, Explodes(at=3, how="kill"))  # 10 layers over 2 stages: in stage 1
+        pipe = GPipe(model, size, chunks=4, threads_per_stage=1, group=dist.group.WORLD)
+        attempt(lambda: pipe.step(inputs, targets, LOSS))
+        os._exit(0)  # the group is broken: leave without the collective clean-up
+
+    SCENARIO = "forward"
+    model = mlp()
+    model.insert(len(model) - 2, Explodes(at=3, how="raise"))  # in the last stage
+    pipe = GPipe(model, size, chunks=4, threads_per_stage=1, group=dist.group.WORLD)
+    attempt(lambda: pipe.step(inputs, targets, LOSS))
+
+    SCENARIO = "recovers"  # the same pipe, the next step: works, and every rank gets the same loss
+    losses = []
+    attempt(lambda: losses.append(pipe.step(inputs, targets, LOSS).item()))
+    report(loss=losses[0] if losses else None)
+    pipe.close()
+
+    SCENARIO = "backward"
+    model = mlp()
+    model.insert(1, BackwardBomb())  # in the first stage
+    pipe = GPipe(model, size, chunks=4, threads_per_stage=1, group=dist.group.WORLD)
+    attempt(lambda: pipe.step(inputs, targets, LOSS))
+    pipe.close()
+
+    pipe = GPipe(mlp(), size, chunks=4, threads_per_stage=1, group=dist.group.WORLD)
+    SCENARIO = "missing inputs"
+    report(failed_at=time.time())
+    attempt(lambda: pipe.step(None, targets, LOSS))
+    SCENARIO = "missing targets"
+    report(failed_at=time.time())
+    attempt(lambda: pipe.step(x, None, LOSS))
+    SCENARIO = "forward only"  # output on the last rank, None elsewhere; inputs elsewhere are ignored
+    out = pipe(x)
+    report(output=None if out is None else list(out.shape))
+    pipe.close()
+
+    SCENARIO = "group size"
+    report(failed_at=time.time())
+    attempt(lambda: GPipe(mlp(), size + 1, group=dist.group.WORLD))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    SCENARIO, RANK = "start", int(os.environ["RANK"])
+    main(sys.argv[1])

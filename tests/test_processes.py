@@ -1,0 +1,288 @@
+"""Stages as processes (GPipe(..., group=...)): the same results as threads, bit for bit; faults
+raised on every rank within bounds; local pools and torchrun launches that leave nothing behind."""
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from conftest import mlp, pair_model
+from engine import GPipe
+from engine.pool import ProcessPool, StageProcessError
+
+ROOT = Path(__file__).resolve().parent.parent
+FAULTS = str(ROOT / "tests" / "distributed_faults.py")
+LOSS = nn.functional.cross_entropy
+
+
+@pytest.fixture(scope="module")
+def pools():
+    """One long-lived pool per K, shared by the tests of this module (starting one costs seconds)."""
+    made = {}
+
+    def get(stages):
+        if stages not in made or not made[stages].alive:
+            made[stages] = ProcessPool(stages)
+        return made[stages]
+    yield get
+    for pool in made.values():
+        pool.close()
+
+
+def threads_run(model, batch, steps, **options):
+    """The same training with stage threads: (model, losses)."""
+    x, y = batch
+    pipe = GPipe(model, threads_per_stage=1, **options)
+    optimizer = torch.optim.SGD(pipe.parameters(), lr=0.1)
+    losses = []
+    for _ in range(steps):
+        optimizer.zero_grad()
+        losses.append(pipe.step(x, y, LOSS))
+        optimizer.step()
+    pipe.close()
+    return model, losses
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("stages", [2, 3])
+def test_three_optimizer_steps_bitwise_equal_to_threads(pools, batch, stages):
+    pool = pools(stages)
+    for schedule in ("gpipe", "1f1b"):
+        for checkpoint in ("never", "always"):
+            options = dict(balance=stages, chunks=4, seed=7, schedule=schedule, checkpoint=checkpoint,
+                           deferred_batch_norm=True)
+            pool.build("conftest:mlp", dict(dropout=0.3, batch_norm=True), optimizer=("torch.optim.SGD", {"lr": 0.1}),
+                       **options)
+            losses = [pool.step(*batch, LOSS) for _ in range(3)]
+            assert all(torch.equal(loss, pool.losses[0]) for loss in pool.losses), "every rank returns the loss"
+            model, expected = threads_run(mlp(dropout=0.3, batch_norm=True), batch, 3, **options)
+            where = f"K={stages}, {schedule}, checkpoint={checkpoint}"
+            assert [l.item() for l in losses] == [l.item() for l in expected], where
+            assert all(torch.equal(a, b) for a, b in zip(pool.parameters(), model.parameters())), where
+            assert all(torch.equal(a, b) for a, b in zip(pool.buffers(), model.buffers())), where
+
+
+@pytest.mark.timeout(120)
+def test_uneven_micro_batches_tuples_and_forward_cross_processes(pools):
+    pool = pools(2)
+    torch.manual_seed(3)
+    x, y = torch.randn(23, 16), torch.randint(0, 3, (23,))  # torch.chunk: 6, 6, 6, 5
+    pool.build("conftest:pair_model", {}, balance=[2, 3], chunks=4)
+    loss = pool.step(x, y, LOSS)
+    reference = pair_model()
+    expected = LOSS(reference(x), y)
+    assert loss.item() == pytest.approx(expected.item(), rel=1e-6)
+    trace = pool.trace
+    assert trace.transport == "processes" and trace.micro_batches == 4 and trace.stages == 2
+    assert {(e.stage, e.op) for e in trace.events} == {(s, op) for s in (0, 1) for op in "FRB"}
+    sent = [m for m in trace.messages if m.direction == "send"]
+    assert len(sent) == 8 and {m.kind for m in sent} == {"act", "grad"}
+    # activations: features (float32) + mask (bool) per sample; gradients: features only
+    assert trace.boundary_bytes == [{"activations": 23 * (16 * 4 + 1), "gradients": 23 * 16 * 4}]
+    assert len(trace.memory) == 2 and all(m.param_bytes > 0 for m in trace.memory)
+    out = pool.forward(x)
+    assert torch.allclose(out, reference(x), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.timeout(60)
+def test_a_failing_stage_is_raised_here_and_the_pool_still_works(pools, batch):
+    pool = pools(2)
+    x, y = batch
+    pool.build("conftest:mlp", {}, chunks=4)
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"\[rank 0, stage 0, micro-batch 0, forward \(F0\)\] mat1 and mat2"):
+        pool.step(x[:, :5], y, LOSS)
+    assert time.monotonic() - start < 5
+    assert pool.step(x, y, LOSS).item() > 0
+
+
+def read_reports(folder):
+    return [json.loads(line) for path in sorted(Path(folder).glob("rank*.jsonl")) for line in path.read_text().splitlines()]
+
+
+def run_torchrun(args, timeout, folder):
+    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", *args], cwd=ROOT, capture_output=True,
+                            text=True, timeout=timeout, env={**os.environ, "GPIPE_FAULTS_OUT": str(folder)})
+    return result, read_reports(folder)
+
+
+def by_scenario(reports):
+    grouped = {}
+    for report in reports:
+        grouped.setdefault(report["scenario"], []).append(report)
+    return grouped
+
+
+@pytest.mark.timeout(120)
+def test_faults_under_torchrun_are_raised_on_every_rank_promptly(tmp_path):
+    result, reports = run_torchrun(["--standalone", "--nproc-per-node", "3", FAULTS, "errors"], 110, tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    scenarios = by_scenario(reports)
+
+    def raised(name):
+        failed_at = min(r["failed_at"] for r in scenarios[name] if "failed_at" in r)
+        outcomes = {r["rank"]: r for r in scenarios[name] if "raised" in r}
+        assert sorted(outcomes) == [0, 1, 2], f"{name}: every rank reports"
+        assert max(r["at"] for r in outcomes.values()) - failed_at < 5, f"{name}: within 5 s"
+        return outcomes
+
+    forward = raised("forward")  # in stage 2's forward of micro-batch 2
+    assert forward[2]["raised"] == "ZeroDivisionError"
+    assert forward[2]["message"].startswith("[rank 2, stage 2, micro-batch 2, forward (F2)] boom in forward")
+    for rank in (0, 1):
+        assert forward[rank]["raised"] == "StageFailed"
+        assert "ZeroDivisionError: [rank 2, stage 2, micro-batch 2, forward (F2)]" in forward[rank]["message"]
+    recovered = [r for r in scenarios["recovers"] if "loss" in r]
+    assert len(recovered) == 3 and len({r["loss"] for r in recovered}) == 1  # the same pipe, the same loss
+
+    backward = raised("backward")  # in stage 0's backward of micro-batch 3
+    assert backward[0]["raised"] == "KeyError" and "[rank 0, stage 0, micro-batch 3, backward (B3)]" in \
+        backward[0]["message"]
+    assert all(backward[r]["raised"] == "StageFailed" and "KeyError" in backward[r]["message"] for r in (1, 2))
+
+    missing = raised("missing inputs")
+    assert missing[0]["raised"] == "ValueError" and "inputs are missing on rank 0" in missing[0]["message"]
+    assert all(missing[r]["raised"] == "StageFailed" for r in (1, 2))
+    missing = raised("missing targets")
+    assert missing[2]["raised"] == "ValueError" and "targets are missing on rank 2" in missing[2]["message"]
+    assert all(missing[r]["raised"] == "StageFailed" for r in (0, 1))
+
+    outputs = {r["rank"]: r["output"] for r in scenarios["forward only"]}
+    assert outputs == {0: None, 1: None, 2: [24, 3]}
+    size = raised("group size")
+    assert all(r["raised"] == "ValueError" and "the group has 3 ranks but the pipeline has 4 stages" in r["message"]
+               for r in size.values())
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def two_nodes(script_args, rdzv_id, timeout, done, env=None):
+    """Two torchrun agents, one process each, meeting at a rendezvous on loopback: two "nodes". Runs
+    until `done()` or both agents exit, then stops both (an agent whose peer died may otherwise sit in
+    torchrun's exit barrier for minutes). Returns the agents' outputs."""
+    port = free_port()
+    agent = ["-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "c10d",
+             "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", rdzv_id, *script_args]
+    logs = [tempfile.TemporaryFile("w+") for _ in range(2)]
+    nodes = [subprocess.Popen([sys.executable, *agent], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, text=True,
+                              start_new_session=True, env={**os.environ, **(env or {})}) for log in logs]
+    try:
+        deadline = time.monotonic() + timeout
+        while not done() and any(node.poll() is None for node in nodes) and time.monotonic() < deadline:
+            time.sleep(0.2)
+    finally:
+        for node in nodes:
+            if node.poll() is None:
+                os.killpg(node.pid, signal.SIGKILL)
+            node.wait()
+    outputs = []
+    for log in logs:
+        log.seek(0)
+        outputs.append(log.read())
+        log.close()
+    return outputs
+
+
+@pytest.mark.timeout(120)
+def test_a_rank_killed_on_another_node_is_raised_by_the_survivor_within_15_seconds(tmp_path):
+    two_nodes([FAULTS, "kill"], "kill-test", timeout=90, env={"GPIPE_FAULTS_OUT": str(tmp_path)},
+              done=lambda: any(r.get("raised") for r in read_reports(tmp_path)))
+    reports = read_reports(tmp_path)
+    killed_at = next(r["failed_at"] for r in reports if "failed_at" in r)
+    survivor = next(r for r in reports if r.get("raised"))
+    assert survivor["rank"] == 0 and survivor["raised"] == "StageFailed"
+    assert "[rank 1, stage 1] unreachable" in survivor["message"]
+    assert survivor["at"] - killed_at < 15
+
+
+def children(pid):
+    """Pids of the live processes whose parent is `pid`."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[1]) == pid and fields[0] != "Z":
+                found.append(int(entry.name))
+    return found
+
+
+@pytest.mark.timeout(120)
+def test_a_killed_stage_process_is_reported_and_the_pool_leaves_nothing(batch):
+    x, y = batch
+    pool = ProcessPool(2)
+    pids = pool.pids
+    pool.build("conftest:mlp", {}, chunks=4)
+    pool.step(x, y, LOSS)
+    pool.kill(1)
+    start = time.monotonic()
+    with pytest.raises(StageProcessError, match=r"stage 1's process died \(exit codes \{1: -9\}\)"):
+        pool.step(x, y, LOSS)
+    assert time.monotonic() - start < 15
+    assert not pool.alive and not set(pids) & set(children(os.getpid()))
+    with pytest.raises(StageProcessError, match="make a new ProcessPool"):
+        pool.step(x, y, LOSS)
+
+
+@pytest.mark.timeout(120)
+def test_stage_processes_die_with_their_parent(tmp_path):
+    script = ("import sys, time; sys.path[:0] = [%r, %r]\n"
+              "from engine.pool import ProcessPool\n"
+              "pool = ProcessPool(2)\n"
+              "print(*pool.pids, flush=True)\n"
+              "time.sleep(60)\n") % (str(ROOT), str(ROOT / "tests"))
+    parent = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        pids = [int(p) for p in parent.stdout.readline().split()]
+        assert len(pids) == 2 and all(Path(f"/proc/{p}").exists() for p in pids)
+    finally:
+        parent.kill()
+        parent.wait()
+    deadline = time.monotonic() + 10
+    while any(Path(f"/proc/{p}").exists() and "Z" not in (Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1][:3])
+              for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not [p for p in pids if Path(f"/proc/{p}").exists()
+                and "Z" not in Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1][:3]]
+
+
+def test_bad_use_of_group_is_a_clear_error(batch):
+    with pytest.raises(ValueError, match="needs torch.distributed initialized first"):
+        GPipe(mlp(), 2, group=object())
+    with pytest.raises(ValueError, match="recipe='nothing': expected 'package.module:function'"):
+        from engine.pool import resolve
+        resolve("nothing")
+
+
+def local_function():
+    return mlp()
+
+
+def test_a_recipe_from_main_or_a_notebook_is_refused_with_a_hint(pools):
+    pool = pools(2)
+    local_function.__module__ = "__main__"
+    with pytest.raises(ValueError, match="stage processes cannot import it"):
+        pool.build(local_function)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+@pytest.mark.timeout(180)
+def test_nccl_stages_on_two_gpus_match_threads(tmp_path):
+    result, reports = run_torchrun(["--standalone", "--nproc-per-node", "2", str(ROOT / "tests" / "distributed_cuda.py")],
+                                   170, tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert [r["bitwise"] for r in reports] == [True, True]
