@@ -1,7 +1,8 @@
 """Benchmark of the engine on this host: prints one table of measured throughputs and ratios.
 
-    python -m engine.bench            # full size: 8 x Linear(1024,1024)+ReLU, batch 2048
-    python -m engine.bench --quick    # a small model, for a smoke run
+    python -m engine.bench            # full size: 8 x Linear(1024,1024)+ReLU, batch 2048, and the
+                                      # small model (8 x Linear(256)+ReLU, batch 64) threads vs processes
+    python -m engine.bench --quick    # small sizes, for a smoke run
 
 Every configuration is timed once per round, round after round, so that a noisy host slows all
 of them alike. Rates are medians over the rounds; a ratio is the median of the per-round ratios.
@@ -21,6 +22,7 @@ from torch import nn
 
 from .device import cpu_cores, keep_freed_cpu_memory
 from .pipe import GPipe
+from .pool import ProcessPool
 
 
 def uniform_mlp(width: int, layers: int, dropout: float = 0.0, seed: int = 0) -> nn.Sequential:
@@ -52,16 +54,29 @@ def engine_step(model: nn.Sequential, stages: int, chunks: int, threads: int, **
     return lambda x, y: pipe.step(x, y, loss_fn)
 
 
+def process_step(pool: ProcessPool, width: int, layers: int, chunks: int, **options):
+    """The pipeline with one process per stage (a local pool): its step returns the step's seconds
+    as the first stage's process measured them, without this process's hand-over to the pool."""
+    pool.build("engine.bench:uniform_mlp", dict(width=width, layers=layers), chunks=chunks, **options)
+    loss_fn = nn.functional.mse_loss
+
+    def step(x, y):
+        pool.step(x, y, loss_fn)
+        return pool.seconds
+    return step
+
+
 def measure(steps: dict[str, Callable], x: torch.Tensor, y: torch.Tensor, rounds: int) -> dict[str, list[float]]:
-    """Seconds per step of each step function in each round, timed round-robin after a warm-up."""
+    """Seconds per step of each step function in each round, timed round-robin after a warm-up.
+    A step function that returns a number has timed itself (a step in other processes)."""
     for step in steps.values():
         step(x, y)
     times: dict[str, list[float]] = {name: [] for name in steps}
     for _ in range(rounds):
         for name, step in steps.items():
             start = time.perf_counter()
-            step(x, y)
-            times[name].append(time.perf_counter() - start)
+            seconds = step(x, y)
+            times[name].append(seconds if isinstance(seconds, float) else time.perf_counter() - start)
     return times
 
 
@@ -117,7 +132,11 @@ def bare_matmuls(width: int, layers: int, batch: int, chunks: int, threads: int)
     return step
 
 
-def run(width: int, layers: int, batch: int, rounds: int, checkpoint: str) -> list[tuple[str, str, str]]:
+SMALL = dict(width=256, layers=8, batch=64, chunks=8)  # the model a learner's laptop runs
+
+
+def run(width: int, layers: int, batch: int, rounds: int, checkpoint: str, pool: ProcessPool,
+        small: dict = SMALL) -> list[tuple[str, str, str]]:
     """Measure every configuration and return the table rows (what, measured, target)."""
     cores = cpu_cores()
     torch.manual_seed(1)
@@ -129,6 +148,7 @@ def run(width: int, layers: int, batch: int, rounds: int, checkpoint: str) -> li
     steps = dict(single)
     steps.update({
         "K=2 M=32": engine_step(model, 2, 32, 1, checkpoint=checkpoint),
+        "K=2 M=32 processes": process_step(pool, width, layers, 32, checkpoint=checkpoint, threads_per_stage=1),
         "ceiling": independent_halves(model, 32, checkpoint),
         "matmuls 1 thread": bare_matmuls(width, layers, batch, 32, 1),
         "matmuls 2 threads": bare_matmuls(width, layers, batch, 32, 2),
@@ -138,14 +158,23 @@ def run(width: int, layers: int, batch: int, rounds: int, checkpoint: str) -> li
         "dropout seed=0": engine_step(dropout_model, 2, 32, 1, checkpoint=checkpoint, seed=0),
     })
     times = measure(steps, x, y, rounds)
-    rate = {name: batch / statistics.median(t) for name, t in times.items()}
+    times.update(measure_small(pool, small, rounds))
+    rate = {name: batch / statistics.median(t) for name, t in times.items() if not name.startswith("small")}
     one_core = "K=1 M=32 1 thread(s)"
     best = max(single, key=rate.get)
+    shape = f"{small['layers']} x Linear({small['width']})+ReLU, batch {small['batch']}, M={small['chunks']}, no recompute"
     return [
         ("K=1, M=32, one thread (one core)", f"{rate[one_core]:.0f} samples/s", ""),
         ("K=2, M=32, one thread per stage", f"{rate['K=2 M=32']:.0f} samples/s", ""),
+        ("K=2, M=32, one process per stage", f"{rate['K=2 M=32 processes']:.0f} samples/s", ""),
         ("**speedup K=2 over K=1 at M=32**", f"**{ratio(times, 'K=2 M=32', one_core)}**",
          ">= 1.8x (paper: 1.8x on 2 TPUs; ideal 2*32/33 = 1.94x)"),
+        ("**speedup K=2 processes over K=1 at M=32**", f"**{ratio(times, 'K=2 M=32 processes', one_core)}**",
+         ">= 1.8x"),
+        (f"**small model ({shape}): K=2 processes over K=1**",
+         f"**{ratio(times, 'small K=2 processes', 'small K=1')}**", ">= 1.4x"),
+        ("small model: K=2 threads over K=1", ratio(times, 'small K=2 threads', 'small K=1'),
+         "the interpreter lock: threads of one process barely overlap"),
         ("ceiling: both halves on 2 threads, no pipeline", ratio(times, 'ceiling', one_core),
          "what 2 cores of this host give with no data dependencies"),
         ("ceiling: the step's bare matrix products on 2 threads vs 1",
@@ -160,6 +189,17 @@ def run(width: int, layers: int, batch: int, rounds: int, checkpoint: str) -> li
         ("seed=0 vs seed=None (with dropout, K=2, M=32)", ratio(times, 'dropout seed=0', 'dropout seed=None', digits=3),
          "cost of seed= (1.0 = free)"),
     ]
+
+
+def measure_small(pool: ProcessPool, small: dict, rounds: int) -> dict[str, list[float]]:
+    """The small model, where the interpreter lock decides: K=1, K=2 as threads, K=2 as processes."""
+    width, layers, batch, chunks = small["width"], small["layers"], small["batch"], small["chunks"]
+    x, y = torch.randn(batch, width), torch.randn(batch, width)
+    model = uniform_mlp(width, layers)
+    steps = {"small K=1": engine_step(model, 1, chunks, 1, checkpoint="never"),
+             "small K=2 threads": engine_step(model, 2, chunks, 1, checkpoint="never"),
+             "small K=2 processes": process_step(pool, width, layers, chunks, checkpoint="never", threads_per_stage=1)}
+    return measure(steps, x, y, rounds * 3)  # short steps: more rounds for the same confidence
 
 
 def format_table(rows: list[tuple[str, str, str]]) -> str:
@@ -180,12 +220,14 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     tuned = not args.default_malloc and keep_freed_cpu_memory()
     width, layers, batch = (64, 4, 128) if args.quick else (1024, 8, 2048)
+    small = dict(width=32, layers=4, batch=16, chunks=4) if args.quick else SMALL
     rounds = 1 if args.quick else args.rounds
     print(f"# engine benchmark: {layers} x (Linear({width},{width}) + ReLU), batch {batch}, "
           f"checkpoint={args.checkpoint}, {rounds} round(s), median samples/s")
     print(f"# host: {platform.processor() or platform.machine()}, {cpu_cores()} cores; torch {torch.__version__}; "
           f"malloc {'keeps freed memory (all rows)' if tuned else 'glibc defaults'}")
-    print(format_table(run(width, layers, batch, rounds, args.checkpoint)))
+    with ProcessPool(2, threads_per_stage=1, keep_freed_memory=tuned) as pool:
+        print(format_table(run(width, layers, batch, rounds, args.checkpoint, pool, small)))
 
 
 if __name__ == "__main__":

@@ -71,6 +71,7 @@ class ProcessPool:
         self.stages, self.timeout = stages, timeout
         self.trace: Optional[Trace] = None
         self.losses: list = []
+        self.seconds = 0.0
         self.built = False
         self._store = torch.distributed.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
                                                  timeout=timedelta(seconds=START_SECONDS))
@@ -111,7 +112,9 @@ class ProcessPool:
         self.built = True
 
     def step(self, inputs, targets, loss_fn: Callable):
-        """One training step of the pipe; returns the mini-batch loss. `self.trace` is the step's trace."""
+        """One training step of the pipe (gradients zeroed first; with an optimizer, also its step);
+        returns the mini-batch loss. Then `self.trace` is the step's trace and `self.seconds` the
+        step's time as rank 0 measured it."""
         self._require_built()
         _check_importable(loss_fn)
         commands = [("step", (inputs if rank == 0 else None, targets if rank == self.stages - 1 else None, loss_fn))
@@ -119,6 +122,7 @@ class ProcessPool:
         answers = self._ask(commands)
         self.trace = answers[0][1]
         self.losses = [answer[0] for answer in answers]  # as each rank returned it: all equal
+        self.seconds = answers[0][2]  # the step as rank 0 timed it, without this process's hand-over
         return answers[0][0]
 
     def forward(self, inputs):
@@ -132,6 +136,11 @@ class ProcessPool:
         """Copies of the model's parameters, in the model's order (stage 0's first)."""
         self._require_built()
         return [p for answer in self._ask([("parameters", ())] * self.stages) for p in answer]
+
+    def gradients(self) -> list[Optional[torch.Tensor]]:
+        """Copies of the parameters' gradients after the last step, in the model's order."""
+        self._require_built()
+        return [g for answer in self._ask([("gradients", ())] * self.stages) for g in answer]
 
     def buffers(self) -> list[torch.Tensor]:
         """Copies of the model's buffers (batch norm statistics), in the model's order."""
@@ -274,15 +283,21 @@ def _serve(rank: int, size: int, port: int, connection, threads: int, keep_freed
                     inputs, targets, loss_fn = args
                     if optimizer is not None:
                         optimizer.zero_grad()
+                    else:
+                        pipe.zero_grad()
+                    start = time.perf_counter()
                     loss = pipe.step(inputs, targets, loss_fn)
+                    seconds = time.perf_counter() - start
                     if optimizer is not None:
                         optimizer.step()
-                    answer = (loss.detach().cpu(), pipe.trace if rank == 0 else None)
+                    answer = (loss.detach().cpu(), pipe.trace if rank == 0 else None, seconds)
                 elif command == "forward":
                     out = pipe(*args)
                     answer = (None if out is None else out.detach().cpu(), pipe.trace if rank == 0 else None)
                 elif command == "parameters":
                     answer = [p.detach().cpu().clone() for p in pipe.parameters()]
+                elif command == "gradients":
+                    answer = [None if p.grad is None else p.grad.detach().cpu().clone() for p in pipe.parameters()]
                 elif command == "buffers":
                     answer = [b.detach().cpu().clone() for b in pipe.buffers()]
                 else:

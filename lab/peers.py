@@ -1,6 +1,6 @@
-"""Racing the peers: the same model, batch and K=2 on this host, for our engine,
-torch.distributed.pipelining's ScheduleGPipe (two processes over gloo, one core each) and, when it
-is installed, torchgpipe. Every implementation is also checked for gradient exactness against the
+"""Racing the peers: the same model, batch and K=2 on this host, for our engine (stages as threads,
+and stages as processes over gloo), torch.distributed.pipelining's ScheduleGPipe (two processes over
+gloo, one core each) and, when it is installed, torchgpipe. Every implementation is also checked for gradient exactness against the
 unpipelined model on the whole batch.
 
 The host is noisy, so the contenders are timed side by side: at each M, every round runs one step
@@ -26,8 +26,9 @@ from torch import nn
 
 from engine import GPipe
 from engine.device import keep_freed_cpu_memory
+from engine.pool import ProcessPool
 
-from . import theory
+from . import models, theory
 
 BASELINE = "one core, no pipeline"
 
@@ -42,9 +43,12 @@ class Workload:
     seed: int = 0
 
     def model(self) -> nn.Sequential:
-        torch.manual_seed(self.seed)
-        return nn.Sequential(*[nn.Sequential(nn.Linear(self.width, self.width), nn.ReLU())
-                               for _ in range(self.blocks)])
+        return models.build_mlp(**self.recipe)
+
+    @property
+    def recipe(self) -> dict:
+        """How the model is made (models.build_mlp's arguments), for processes that build it themselves."""
+        return dict(blocks=self.blocks, width=self.width, seed=self.seed)
 
     def data(self) -> tuple[torch.Tensor, torch.Tensor]:
         gen = torch.Generator().manual_seed(self.seed + 1)
@@ -120,7 +124,8 @@ def ours(work: Workload, micro: int, checkpoint: str) -> InProcess:
     """This project's engine: K=2 stages, one thread (core) each."""
     model, (x, y) = work.model(), work.data()
     pipe = GPipe(model, 2, chunks=micro, checkpoint=checkpoint, threads_per_stage=1)
-    return InProcess("gpipe-lab engine", model, lambda: pipe.step(x, y, nn.functional.mse_loss), close=pipe.close)
+    return InProcess("gpipe-lab engine, threads", model, lambda: pipe.step(x, y, nn.functional.mse_loss),
+                     close=pipe.close)
 
 
 def torchgpipe_available() -> bool:
@@ -190,6 +195,33 @@ class PipeliningProcesses:
             if process.is_alive():
                 process.kill()
                 process.join()
+
+
+@dataclass
+class OursInProcesses:
+    """This project's engine with one process per stage (a local ProcessPool, kept for the whole
+    race and rebuilt at each M); a step's time is measured by the first stage's process."""
+
+    name = "gpipe-lab engine, processes"
+
+    def __init__(self, work: Workload, tuned_malloc: bool):
+        self.work = work
+        self.pool = ProcessPool(2, threads_per_stage=1, keep_freed_memory=tuned_malloc)
+        self.x, self.y = work.data()
+
+    def at(self, micro: int, checkpoint: str) -> "OursInProcesses":
+        self.pool.build("lab.models:build_mlp", self.work.recipe, chunks=micro, checkpoint=checkpoint)
+        return self
+
+    def step(self) -> float:
+        self.pool.step(self.x, self.y, nn.functional.mse_loss)
+        return self.pool.seconds
+
+    def grads(self) -> list[torch.Tensor]:
+        return self.pool.gradients()
+
+    def close(self) -> None:
+        pass  # the pool serves every M; closed when the race ends
 
 
 @dataclass
@@ -267,9 +299,12 @@ def race(work: Workload, micros: list[int], rounds: int, progress: Optional[Call
     reference = reference_grads(work)
     builders = [single_device, ours] + ([torchgpipe_peer] if torchgpipe_available() else [])
     pipelining = PipeliningProcesses(work, tuned_malloc)
+    processes = None
     try:
+        processes = OursInProcesses(work, tuned_malloc)
         for micro in micros:
-            contenders = [build(work, micro, checkpoint) for build in builders] + [pipelining.at(micro)]
+            contenders = [build(work, micro, checkpoint) for build in builders] + \
+                [processes.at(micro, checkpoint), pipelining.at(micro)]
             try:
                 times: list[list[float]] = [[] for _ in contenders]
                 for round_ in range(rounds + 1):
@@ -286,6 +321,8 @@ def race(work: Workload, micros: list[int], rounds: int, progress: Optional[Call
                     contender.close()
     finally:
         pipelining.close()
+        if processes is not None:
+            processes.pool.close()
 
 
 def table_rows(results: list[Result], batch: int) -> list[dict]:

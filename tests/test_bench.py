@@ -6,10 +6,12 @@ def test_quick_benchmark_prints_every_row(capsys):
     bench.main(["--quick"])
     out = capsys.readouterr().out
     rows = [line for line in out.splitlines() if line.startswith("| ") and "---" not in line][1:]
-    assert len(rows) == 10
+    assert len(rows) == 14
     assert any("speedup K=2 over K=1 at M=32" in row for row in rows)
     assert any("ceiling: both halves" in row for row in rows)
     assert any("bare matrix products" in row for row in rows)
+    assert any("K=2 processes over K=1 at M=32" in row for row in rows)
+    assert any("small model" in row and "K=2 processes over K=1" in row for row in rows)
     for row in rows:
         value = row.split("|")[2].strip().strip("*")
         first = value.split()[0]

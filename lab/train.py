@@ -1,0 +1,103 @@
+"""Train the zoo's character Transformer through the pipeline, printing loss and samples/s.
+
+    python -m lab.train --steps 200 --stages 2                       # stages as threads of this process
+    torchrun --standalone --nproc-per-node 2 -m lab.train --steps 200  # one process per stage
+    torchrun --nnodes 2 --nproc-per-node 1 --rdzv-backend c10d \\
+             --rdzv-endpoint HOST:29500 -m lab.train --steps 200     # one stage per machine
+
+Under torchrun every rank runs this same script: it joins the group (gloo on CPU, NCCL on GPUs),
+builds the same model from the same seed, keeps its own stage, and passes its inputs (first rank)
+or targets (last rank) to `pipe.step`; rank 0 prints.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+from engine import GPipe
+from engine.schedule import CHECKPOINT_MODES, SCHEDULES
+
+from . import models
+
+
+def parser() -> argparse.ArgumentParser:
+    options = argparse.ArgumentParser(prog="python -m lab.train", description=__doc__.splitlines()[0])
+    options.add_argument("--steps", type=int, default=100)
+    options.add_argument("--stages", type=int, default=2, help="K with threads (under torchrun: the group's size)")
+    options.add_argument("--micro-batches", type=int, default=8, help="M")
+    options.add_argument("--batch", type=int, default=32, help="N, sequences per mini-batch")
+    options.add_argument("--blocks", type=int, default=4, help="Transformer blocks (the model has blocks + 2 layers)")
+    options.add_argument("--width", type=int, default=64)
+    options.add_argument("--checkpoint", default="except_last", choices=CHECKPOINT_MODES)
+    options.add_argument("--schedule", default="gpipe", choices=list(SCHEDULES))
+    options.add_argument("--lr", type=float, default=3e-3)
+    options.add_argument("--seed", type=int, default=0)
+    options.add_argument("--log-every", type=int, default=10)
+    return options
+
+
+def launched_by_torchrun() -> bool:
+    return dist.is_available() and dist.is_torchelastic_launched()
+
+
+def main(argv=None) -> int:
+    args = parser().parse_args(argv)
+    for name in ("steps", "stages", "micro_batches", "batch", "blocks", "width", "log_every"):
+        if getattr(args, name) < 1:
+            print(f"python -m lab.train: error: --{name.replace('_', '-')} {getattr(args, name)}: expected >= 1",
+                  file=sys.stderr)
+            return 2
+    zoo = models.get("transformer")
+    distributed = launched_by_torchrun()
+    if distributed:
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+        rank, stages = dist.get_rank(), dist.get_world_size()
+        transport = f"processes: {stages} ranks over torch.distributed ({dist.get_backend()})"
+    else:
+        rank, stages = 0, args.stages
+        transport = f"threads: {stages} stage threads in this process"
+    if stages > zoo.layer_count(args.blocks):
+        if rank == 0:
+            print(f"python -m lab.train: error: {stages} stages but the model has {zoo.layer_count(args.blocks)} "
+                  f"layers; use more --blocks", file=sys.stderr)
+        return 2
+    model = zoo.build(args.blocks, args.width, args.seed)
+    pipe = GPipe(model, stages, chunks=args.micro_batches, checkpoint=args.checkpoint, schedule=args.schedule,
+                 seed=args.seed, threads_per_stage=1, group=dist.group.WORLD if distributed else None)
+    optimizer = torch.optim.Adam(pipe.parameters(), lr=args.lr)
+    first, last = rank == 0, rank == stages - 1 or not distributed
+    if first:
+        print(f"# lab.train: char Transformer, {zoo.layer_count(args.blocks)} layers, width {args.width}, "
+              f"batch {args.batch}, K={stages}, M={args.micro_batches}, {args.schedule}, checkpoint {args.checkpoint}; "
+              f"{transport}", flush=True)
+    start, window, losses = time.perf_counter(), time.perf_counter(), []
+    for step in range(1, args.steps + 1):
+        inputs, targets = zoo.batch(args.batch, args.width, args.seed + step)
+        optimizer.zero_grad()
+        loss = pipe.step(inputs if first else None, targets if last else None, zoo.loss_fn)
+        optimizer.step()
+        losses.append(loss.item())
+        if first and (step % args.log_every == 0 or step == args.steps):
+            now = time.perf_counter()
+            done = args.log_every if step % args.log_every == 0 else step % args.log_every
+            print(f"step {step:5d}  loss {losses[-1]:.4f}  samples/s {done * args.batch / (now - window):8.1f}",
+                  flush=True)
+            window = now
+    if first:
+        trace = pipe.trace
+        crossed = ", ".join(f"{b['activations'] / 1e3:.1f} kB forward and {b['gradients'] / 1e3:.1f} kB back"
+                            for b in trace.boundary_bytes) if trace.messages else "nothing (threads share memory)"
+        print(f"# done: {args.steps} steps in {time.perf_counter() - start:.1f} s; loss {losses[0]:.4f} -> "
+              f"{losses[-1]:.4f}; per step each boundary carried {crossed}", flush=True)
+    pipe.close()
+    if distributed:
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
