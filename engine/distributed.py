@@ -104,7 +104,7 @@ class Logged:
 
     step: int
     peer: int
-    direction: str   # "send": encoding it and handing it over; "receive": from its arrival to its value
+    direction: str   # what the stage thread spent on it: "send" encodes and hands over, "receive" reads
     kind: str        # "act" or "grad"
     micro: int
     nbytes: int
@@ -148,7 +148,7 @@ class ProcessTransport:
         self._arrived: dict = {}                      # (step, kind, micro, chunk) -> (value, ready event)
         self._planned = -1                            # the last call whose plan arrived
         self._failure: Optional[StageFailed] = None   # a lost connection: every later wait raises it
-        self._events: queue.SimpleQueue = queue.SimpleQueue()  # (link, slot, arrival) or (None, error, peer)
+        self._events: queue.SimpleQueue = queue.SimpleQueue()  # (link, slot) or (None, error, peer)
         self._log: list[tuple] = []                   # Logged fields, as tuples
         self._in_flight: collections.deque = collections.deque()  # (works, buffers, peer) of sends not yet reaped
         self._reap = threading.Condition()           # wakes the sender thread: reap what is in flight
@@ -236,17 +236,18 @@ class ProcessTransport:
             if self._failure is not None:
                 raise self._failure
             try:
-                link, slot, arrival = self._events.get(timeout=POLL_SECONDS)
+                link, slot, *peer = self._events.get(timeout=POLL_SECONDS)
             except queue.Empty:
                 self.check_failures()
                 continue
-            if link is None:  # a listener lost its connection: `slot` is the error, `arrival` the peer
-                self._failure = self._lost(arrival, slot)
+            if link is None:  # a listener or the sender lost its connection: `slot` is the error
+                self._failure = self._lost(peer[0], slot)
                 raise self._failure
-            self._read(link, slot, arrival)
+            self._read(link, slot)
         return self._arrived.pop(key)
 
-    def _read(self, link: _Link, slot: int, arrival: float) -> None:
+    def _read(self, link: _Link, slot: int) -> None:
+        start = time.perf_counter()
         header = wire.decode_header(link.views[slot])
         tensors = wire.inline_tensors(link.views[slot], header) if header.inline else None
         link.repost(slot)
@@ -263,7 +264,7 @@ class ProcessTransport:
             self._arrived[(header.step, "plan", 0, 0)] = header.plan
         if header.kind in ("act", "grad"):
             self._log.append((header.step, link.peer, "receive", header.kind, header.micro, header.payload_bytes,
-                              arrival, time.perf_counter()))
+                              start, time.perf_counter()))
         self._arrived[(header.step, header.kind, header.micro, header.chunk)] = \
             (wire.rebuild_value(header.form, tensors), ready)
 
@@ -323,7 +324,7 @@ class ProcessTransport:
             if self._closed:  # nobody reads any more: keep the slot posted for the goodbyes
                 link.repost(slot)
                 continue
-            self._events.put((link, slot, time.perf_counter()))
+            self._events.put((link, slot))
 
     def _wake_sender(self) -> None:
         with self._reap:

@@ -24,9 +24,11 @@ class Event:
 
 @dataclass(frozen=True)
 class Message:
-    """An activation ("act") or gradient ("grad") crossing between stage processes, as one side saw
-    it: on the sender (`direction` "send") from the hand-over to the completed send, on the receiver
-    ("receive") from the first byte's arrival to the value being ready. Seconds from the step's start."""
+    """An activation ("act") or gradient ("grad") crossing between stage processes, as the stage
+    thread of one side spent time on it: encoding it and handing it to the backend (`direction`
+    "send"), or reading it once it had arrived ("receive"). Seconds from the step's start. The gap
+    from a send's start to the matching receive's start is the time the message was on its way
+    (or waiting, if its receiver was busy computing)."""
 
     stage: int
     peer: int
@@ -112,7 +114,7 @@ class Trace:
 
     @property
     def communication(self) -> list[float]:
-        """Seconds each stage spent on messages (sending and receiving, overlapping its tasks or not)."""
+        """Seconds each stage's thread spent on messages (sending and reading them), not on tasks."""
         totals = [0.0] * self.stages
         for m in self.messages:
             totals[m.stage] += m.duration

@@ -21,7 +21,7 @@ from typing import Optional, Sequence
 import numpy as np
 import torch
 
-FRAME_BYTES = 64 * 1024  # capacity of a preposted receive; larger payloads follow separately
+FRAME_BYTES = 512 * 1024  # capacity of a preposted receive; larger payloads follow separately
 KINDS = ("act", "grad", "end", "done", "bye")
 DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.complex64, torch.complex128,
           torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool)
