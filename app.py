@@ -10,10 +10,12 @@ import time
 import streamlit as st
 
 from lab import charts, replay, speedup, theory
-from lab.experiments import BALANCES, RunConfig, RunRecord, check, run
+from lab.experiments import APP_DEFAULT, BALANCES, RunConfig, RunRecord, check, run
 from lab.models import ZOO
+from lab.processes import StageProcessError
 
 RECOMPUTE = {"on, except the last micro-batch": "except_last", "on, every micro-batch": "always", "off": "never"}
+TRANSPORTS = {"processes": "one process per stage (torch.distributed, gloo)", "threads": "threads in this process"}
 LIVE_REDRAW_SECONDS = 0.25
 # Width choices per model, capped so that any slider setting runs in seconds on 2 CPU cores.
 # The defaults (the last choices) make ops big enough that two stage threads overlap well.
@@ -53,21 +55,26 @@ def bubble_points(config: RunConfig) -> list:
 def controls() -> RunConfig:
     side = st.sidebar
     side.header("Pipeline")
-    model = side.selectbox("model", list(ZOO), index=list(ZOO).index("transformer"), key="model",
+    model = side.selectbox("model", list(ZOO), index=list(ZOO).index(APP_DEFAULT.model), key="model",
                            format_func=lambda m: f"{m}: {ZOO[m].description}")
-    blocks = side.slider(f"blocks (the model has blocks + {ZOO[model].extra_layers} layers)", 1, MAX_BLOCKS[model], 6,
-                         key=f"blocks-{model}")
+    blocks = side.slider(f"blocks (the model has blocks + {ZOO[model].extra_layers} layers)", 1, MAX_BLOCKS[model],
+                         APP_DEFAULT.blocks, key=f"blocks-{model}")
     widths = WIDTHS[model]
     width = side.select_slider("width", widths, value=widths[-1] if model != "mlp" else 512, key=f"width-{model}")
-    batch = side.select_slider("mini-batch N", BATCHES[model], value=32, key=f"batch-{model}")
-    stages = side.slider("stages K", 1, 8, 2, key="stages")
-    micro = side.slider("micro-batches M", 1, 64, 8, key="micro")
+    batch = side.select_slider("mini-batch N", BATCHES[model], value=APP_DEFAULT.batch, key=f"batch-{model}")
+    stages = side.slider("stages K", 1, 8, APP_DEFAULT.stages, key="stages")
+    micro = side.slider("micro-batches M", 1, 64, APP_DEFAULT.micro_batches, key="micro")
     recompute = RECOMPUTE[side.radio("re-materialization (recompute)", list(RECOMPUTE), key="recompute")]
     balance = side.radio("balance", BALANCES, key="balance", format_func={"uniform": "equal layer counts", "time": "by measured time",
                                                            "size": "by memory"}.get)
+    transport = side.radio("stages run as", list(TRANSPORTS), index=list(TRANSPORTS).index(APP_DEFAULT.transport),
+                           key="transport", format_func=TRANSPORTS.get,
+                           help="Threads share one Python interpreter, so on small models their work barely "
+                                "overlaps; processes (one per stage, the way torchrun runs them on many machines) "
+                                "overlap fully but pay for every message between stages.")
     seed = int(side.number_input("seed", 0, 10_000, 0, key="seed"))
     return RunConfig(model=model, blocks=blocks, width=width, batch=batch, stages=stages, micro_batches=micro,
-                     checkpoint=recompute, balance=balance, seed=seed)
+                     checkpoint=recompute, balance=balance, seed=seed, transport=transport)
 
 
 def live_run(config: RunConfig) -> RunRecord:
@@ -87,8 +94,17 @@ def live_run(config: RunConfig) -> RunRecord:
                 line = replay.measured([vars_of(e) for e in events], config.stages, "warm-up step, live")
                 placeholder.plotly_chart(charts.gantt(line), key=f"live-{len(events)}")
 
-        _handed_over[config] = run(config, on_event=on_event, replay=True)
+        waiting: list[float] = []
+
+        def on_wait() -> None:
+            waiting.append(time.perf_counter())
+            placeholder.info("Waiting: another session is running on the shared stage processes; this run "
+                             "starts as soon as that one is done.")
+
+        _handed_over[config] = run(config, on_event=on_event, replay=True, on_wait=on_wait)
         placeholder.empty()
+        if waiting:
+            st.session_state.setdefault("waited", {})[config] = time.perf_counter() - waiting[0]
         seen.add(config)
     return measured_run(config)
 
@@ -108,12 +124,25 @@ def show_pipeline(record: RunRecord, config: RunConfig) -> None:
                          "laid out as if every stage had a device of its own. theory: unit costs, the paper's picture.")
     for note in record.notes:
         st.warning(note)
+    waited = st.session_state.get("waited", {}).get(config)
+    if waited is not None:
+        st.caption(f"This run waited its turn for {waited:.1f} s: another session was using the shared stage "
+                   f"processes (one run at a time, so runs never disturb each other's timings).")
     st.plotly_chart(charts.gantt(replay.of_record(record, view)), key="gantt")
+    if record.messages and view == "measured":
+        st.caption("Under each stage, its own thread's time spent on messages: encoding and handing over what it "
+                   "sends (act m forward, grad m back), reading what arrived. The gap between a send and the "
+                   "matching read is the message on its way, or waiting while its receiver computes.")
+
+
+def baseline(config: RunConfig) -> RunConfig:
+    """K=1 at the same M: one stage needs no transport, so both transports compare with the same run."""
+    return config.but(stages=1, balance="uniform", transport="threads")
 
 
 def show_numbers(record: RunRecord, config: RunConfig) -> None:
     st.subheader("2 · Measured against theory")
-    single = side_run(config.but(stages=1, balance="uniform"), warmup=1)
+    single = side_run(baseline(config), warmup=1)
     ideal = replay.of_record(record, "ideal replay")
     cols = st.columns(5)
     micro = record.micro_batches  # what torch.chunk made of M
@@ -128,6 +157,35 @@ def show_numbers(record: RunRecord, config: RunConfig) -> None:
     cols[4].metric("loss", f"{record.loss:.3f}")
     if micro < 4 * config.stages:
         st.caption(f"Rule of thumb from the paper: M >= 4K, here M >= {4 * config.stages}, makes the bubble negligible.")
+    st.caption("The measured speedup can exceed the bubble's bound K*M/(M+K-1): the K=1 step runs M small "
+               "micro-batches one after another on one core, while each stage of the pipeline keeps only its "
+               "own layers' weights and activations hot in its cache.")
+    show_traffic(record, config)
+
+
+def show_traffic(record: RunRecord, config: RunConfig) -> None:
+    """What the stages sent each other, and the speedup of both transports at these settings."""
+    if config.stages > 1:
+        cols = st.columns(3)
+        cols[0].metric("communication share of the step", f"{record.communication_share:.0%}",
+                       "stage threads sending and reading messages" if record.messages else
+                       "threads hand tensors over in memory", delta_color="off")
+        per_cut = [(b["activations"] + b["gradients"]) / 2 ** 20 for b in record.boundary_bytes]
+        cols[1].metric("bytes per boundary per step", ", ".join(f"{mib:.2f} MiB" for mib in per_cut),
+                       record.boundary_how, delta_color="off")
+        other = "threads" if config.transport == "processes" else "processes"
+        if cols[2].button(f"measure with {other} too", key="other_transport"):
+            st.session_state.setdefault("compared", set()).add(config.but(transport=other))
+        if config.but(transport=other) in st.session_state.get("compared", set()):
+            single = side_run(baseline(config), warmup=1)
+            runs = {config.transport: record, other: side_run(config.but(transport=other), warmup=1)}
+            st.dataframe([{"stages run as": name, "step (ms)": round(r.makespan * 1e3, 1),
+                           "speedup over K=1 (same M)": round(single.makespan / r.makespan, 2),
+                           "communication share": f"{r.communication_share:.0%}"} for name, r in runs.items()],
+                         hide_index=True)
+        params = sum(m["param_bytes"] for m in record.memory)
+        st.plotly_chart(charts.boundary_chart(record.boundary_bytes, record.boundary_how, params, config.stages),
+                        key="boundary")
 
 
 def show_memory(record: RunRecord, config: RunConfig) -> None:
@@ -171,7 +229,7 @@ def show_speedup(config: RunConfig) -> None:
     left.dataframe(charts.paper_table(), width="stretch")
     if right.button("measure this table on this host (K = 1, 2, 4, 8; M = 1, 4, 32)", key="measure_speedup"):
         cells = speedup_cells(config)
-        table = charts.speedup_table({(c.stages, c.micro_batches): (c.vs_single, c.how) for c in cells if c.stages > 1})
+        table = charts.speedup_table({(c.stages, c.micro_batches): (c.vs_single, c.label) for c in cells if c.stages > 1})
         right.dataframe(table, width="stretch", hide_index=True)
 
 
@@ -180,16 +238,18 @@ def show_compare(record: RunRecord, config: RunConfig) -> None:
     pinned = st.session_state.setdefault("pinned", [])
     left, right = st.columns([1, 4])
     if left.button("pin this run", key="pin"):
-        pinned.append((f"K={config.stages}, M={config.micro_batches}, {config.checkpoint}, {config.model}", record))
+        pinned.append((f"K={config.stages}, M={config.micro_batches}, {config.checkpoint}, {config.model}, "
+                       f"{config.transport}", record, side_run(baseline(config), warmup=1).makespan))
     if pinned and left.button("clear pins", key="clear_pins"):
         pinned.clear()
     right.caption("Pin runs with different settings (say M = 1 and M = 16) to see them side by side.")
     for start in range(0, len(pinned), 2):
-        for column, (label, pinned_record) in zip(st.columns(2), pinned[start:start + 2]):
+        for column, (label, pinned_record, single) in zip(st.columns(2), pinned[start:start + 2]):
             column.plotly_chart(charts.gantt(replay.of_record(pinned_record, "measured"), title=label),
                                 key=f"pin-{start}-{label}")
             column.caption(f"bubble {pinned_record.bubble:.0%} · step {pinned_record.makespan * 1e3:.0f} ms · "
-                           f"{pinned_record.samples_per_second:,.0f} samples/s")
+                           f"{pinned_record.samples_per_second:,.0f} samples/s · speedup over K=1 "
+                           f"{single / pinned_record.makespan:.2f}x")
 
 
 def show_downloads(record: RunRecord) -> None:
@@ -221,6 +281,8 @@ def main() -> None:
         show_speedup(config)
         show_compare(record, config)
         show_downloads(record)
+    except StageProcessError as error:
+        st.error(f"A stage process stopped: {error}. The next run starts new stage processes.")
     except (RuntimeError, MemoryError) as error:
         st.error(f"The run failed: {error}. Try a smaller model, batch or K.")
 

@@ -12,14 +12,14 @@ or a module-level function): spawned children cannot unpickle a notebook's own f
 model is never sent, only how to make it. The parent hosts the Store that the children meet at,
 so it outlives any of them. A child that dies, or any failure, is raised here promptly with the
 stage named; the pool is then closed and a new one must be made. Children end with the parent:
-each asks the kernel to kill it when its parent dies, and also stops when its command pipe closes.
+each watches for its parent to be gone, and also stops when its command pipe closes.
 """
 from __future__ import annotations
 
-import ctypes
 import importlib
 import os
 import signal
+import threading
 import time
 import weakref
 from datetime import timedelta
@@ -34,7 +34,6 @@ from .trace import Trace
 
 Recipe = Union[str, Callable]
 START_SECONDS = 120.0
-_PR_SET_PDEATHSIG = 1
 
 
 class StageProcessError(RuntimeError):
@@ -80,7 +79,7 @@ class ProcessPool:
         self._connections = [parent for parent, _ in pipes]
         self._processes = [context.Process(target=_serve, name=f"gpipe-stage-process-{rank}", daemon=True,
                                            args=(rank, stages, self._store.port, child, threads_per_stage,
-                                                 keep_freed_memory))
+                                                 keep_freed_memory, os.getpid()))
                            for rank, (_, child) in enumerate(pipes)]
         for process in self._processes:
             process.start()
@@ -97,6 +96,13 @@ class ProcessPool:
     @property
     def pids(self) -> list[int]:
         return [p.pid for p in self._processes]
+
+    def check_alive(self) -> None:
+        """Raise StageProcessError (and close the pool) if a stage process has died since the last
+        call, as a crash or an out-of-memory kill would leave it."""
+        dead = [rank for rank, p in enumerate(self._processes) if not p.is_alive()]
+        if self._finalizer.alive and dead:
+            self._fail(dead[0])
 
     def build(self, recipe: Recipe, recipe_kwargs: Optional[dict] = None, balance=None,
               optimizer: Optional[tuple[Recipe, dict]] = None, **gpipe_options) -> None:
@@ -243,17 +249,21 @@ def _shut_down(processes, connections) -> None:
 
 # --- inside a stage process -------------------------------------------------------------------
 
-def _die_with_parent() -> None:
-    """Ask Linux to kill this process when its parent dies (no-op elsewhere)."""
-    try:
-        ctypes.CDLL("libc.so.6").prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-    except (OSError, AttributeError):
-        pass
+def _die_with_parent(parent: int) -> None:
+    """End this process soon after the process that started it is gone (then this one's parent
+    changes). A thread watches, rather than Linux's parent-death signal, which fires when the
+    parent's *thread* that started us ends: the app starts pools from short-lived script threads."""
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(0.5)
+        os._exit(0)
+    threading.Thread(target=watch, name="gpipe-parent-watch", daemon=True).start()
 
 
-def _serve(rank: int, size: int, port: int, connection, threads: int, keep_freed_memory: bool) -> None:
+def _serve(rank: int, size: int, port: int, connection, threads: int, keep_freed_memory: bool,
+           parent: int) -> None:
     """A stage process: join the group, then answer commands until told to stop."""
-    _die_with_parent()
+    _die_with_parent(parent)
     import torch.distributed as dist
 
     from .device import keep_freed_cpu_memory

@@ -18,9 +18,18 @@ def stage_names(stages: int) -> list[str]:
     return [f"stage {k}" for k in range(stages)]
 
 
+MESSAGES = {"send": ("sending", "#B279A2"), "receive": ("receiving", "#9E765F")}
+
+
+def message_row(stage: int) -> str:
+    return f"stage {stage} · messages"
+
+
 def gantt(timeline: Timeline, title: Optional[str] = None, height: Optional[int] = None) -> go.Figure:
     """Per-stage Gantt chart: one horizontal-bar trace per op (forward, recompute, backward), each
-    bar labelled with its micro-batch; empty stretches are the idle time (the bubble)."""
+    bar labelled with its micro-batch; empty stretches are the idle time (the bubble). When the
+    stages were processes, a row under each stage shows its thread sending and reading messages
+    ("act 3" forward, "grad 3" back), apart from the tasks."""
     figure = go.Figure()
     scale = 1000.0 if timeline.unit == "s" else 1.0
     unit = "ms" if timeline.unit == "s" else timeline.unit
@@ -35,13 +44,44 @@ def gantt(timeline: Timeline, title: Optional[str] = None, height: Optional[int]
             customdata=[b.micro for b in bars], textposition="inside", insidetextanchor="middle",
             hovertemplate=f"{name} of micro-batch %{{customdata}}<br>%{{base:.2f}} to %{{x:.2f}} {unit} long"
                           "<extra>%{y}</extra>"))
+    rows = stage_names(timeline.stages)
+    for direction, (name, color) in MESSAGES.items():
+        sent = [m for m in timeline.messages if m.direction == direction]
+        if not sent:
+            continue
+        figure.add_trace(go.Bar(
+            name=name, orientation="h", marker_color=color, y=[message_row(m.stage) for m in sent],
+            base=[m.start * scale for m in sent], x=[max(m.end - m.start, 0.0) * scale for m in sent],
+            text=[f"{m.kind} {m.micro}" for m in sent], customdata=[[m.peer, m.bytes] for m in sent],
+            textposition="inside", insidetextanchor="middle",
+            hovertemplate=f"{name} %{{text}} (peer stage %{{customdata[0]}}, %{{customdata[1]:,}} bytes)<br>"
+                          f"%{{base:.2f}}, %{{x:.3f}} {unit} long<extra>%{{y}}</extra>"))
+    if timeline.messages:
+        rows = [row for k in range(timeline.stages) for row in (f"stage {k}", message_row(k))]
     default_title = (f"{timeline.label}: makespan {timeline.makespan * scale:.1f} {unit}, "
                      f"bubble {timeline.bubble:.0%}")
     figure.update_layout(
         title=title or default_title, barmode="overlay", bargap=0.25, legend_title_text="task",
-        xaxis_title=f"time ({unit})", height=height or 120 + 40 * timeline.stages,
-        yaxis=dict(categoryorder="array", categoryarray=stage_names(timeline.stages)[::-1]),
-        margin=dict(l=10, r=10, t=50, b=40))
+        xaxis_title=f"time ({unit})", height=height or 120 + 40 * len(rows),
+        yaxis=dict(categoryorder="array", categoryarray=rows[::-1]), margin=dict(l=10, r=10, t=50, b=40))
+    return figure
+
+
+def boundary_chart(boundary_bytes: Sequence[dict], how: str, param_bytes: int, stages: int) -> go.Figure:
+    """What crossed each cut between stages in one step (activations forward, gradients back),
+    beside what data parallelism on K devices would all-reduce per device for the same model:
+    every gradient, 2(K-1)/K times over in a ring."""
+    cuts = [f"stage {k} | stage {k + 1}" for k in range(len(boundary_bytes))]
+    figure = go.Figure()
+    figure.add_trace(go.Bar(name=f"activations forward ({how})", x=cuts,
+                            y=[b["activations"] / MIB for b in boundary_bytes], marker_color="#4C78A8"))
+    figure.add_trace(go.Bar(name=f"gradients back ({how})", x=cuts,
+                            y=[b["gradients"] / MIB for b in boundary_bytes], marker_color="#54A24B"))
+    all_reduce = param_bytes * 2 * (stages - 1) / stages
+    figure.add_trace(go.Bar(name=f"data parallel, K={stages}: all-reduce per device", x=["data parallel"],
+                            y=[all_reduce / MIB], marker_color="#E45756"))
+    figure.update_layout(title="What crosses per step: the pipeline's cuts vs data parallelism's all-reduce",
+                         barmode="group", yaxis_title="MiB per step", margin=dict(l=10, r=10, t=50, b=40))
     return figure
 
 

@@ -18,11 +18,13 @@ from engine.balance import layer_sizes
 from engine.device import cpu_cores
 from engine.microbatch import tensors_of
 from engine.schedule import CHECKPOINT_MODES, SCHEDULES
-from engine.trace import Event, Trace
+from engine.partition import even_balance
+from engine.trace import Event, Message, Trace
 
-from . import host, models, theory
+from . import host, models, processes, theory
 
 BALANCES = ("uniform", "time", "size")
+TRANSPORTS = ("threads", "processes")
 
 
 @dataclass(frozen=True)
@@ -41,6 +43,7 @@ class RunConfig:
     seed: int = 0
     device: str = "cpu"          # "cpu": every stage on the CPU; "cuda": stages spread over the GPUs
     threads_per_stage: int = 1   # on CPU: one core per stage, as the paper has one chip per stage
+    transport: str = "threads"   # stages as threads of this process, or "processes" (one each, gloo)
 
     @property
     def layers(self) -> int:
@@ -49,6 +52,12 @@ class RunConfig:
     def but(self, **changes) -> "RunConfig":
         """A copy with some fields changed."""
         return replace(self, **changes)
+
+
+# What the app opens with. Its stages run as processes: measured at these settings on 2 cores, one
+# process per stage beats threads of one interpreter (python -m lab.reproduce transports; README).
+APP_DEFAULT = RunConfig(model="transformer", blocks=6, width=128, batch=32, stages=2, micro_batches=8,
+                        checkpoint="except_last", transport="processes")
 
 
 @dataclass
@@ -68,6 +77,20 @@ class RunRecord:
     host: dict
     solo_events: Optional[list[dict]] = None   # the same step run one task at a time, for replays
     notes: list[str] = field(default_factory=list)
+    messages: list[dict] = field(default_factory=list)  # stage, peer, direction, kind, micro, bytes, start, end
+    boundary_bytes: list[dict] = field(default_factory=list)  # per cut: activations and gradients per step
+    boundary_how: str = ""  # "sent between processes" or "sizes of the tensors at each cut"
+
+    @property
+    def transport(self) -> str:
+        return self.config.get("transport", "threads")
+
+    @property
+    def communication_share(self) -> float:
+        """Share of the stages' time spent on messages: their threads' sending and reading time
+        over K x makespan (0 with threads, which hand tensors over in memory)."""
+        spent = sum(m["end"] - m["start"] for m in self.messages)
+        return spent / (self.stages * self.makespan) if self.makespan > 0 else 0.0
 
     @property
     def stages(self) -> int:
@@ -79,7 +102,8 @@ class RunRecord:
 
     def chrome_trace(self) -> str:
         """The measured step as Chrome-trace JSON (opens in ui.perfetto.dev)."""
-        return Trace(stages=self.stages, events=[Event(**e) for e in self.events]).to_chrome_trace()
+        return Trace(stages=self.stages, events=[Event(**e) for e in self.events],
+                     messages=[Message(**m) for m in self.messages]).to_chrome_trace()
 
     def events_csv(self) -> str:
         """The measured step's tasks as CSV, one row per task."""
@@ -109,6 +133,11 @@ def check(config: RunConfig) -> None:
         raise ValueError(f"balance={config.balance!r}: expected one of {BALANCES}")
     if config.device not in ("cpu", "cuda"):
         raise ValueError(f"device={config.device!r}: expected 'cpu' or 'cuda'")
+    if config.transport not in TRANSPORTS:
+        raise ValueError(f"transport={config.transport!r}: expected one of {TRANSPORTS}")
+    if config.transport == "processes" and config.device != "cpu":
+        raise ValueError("transport='processes' runs the lab's stage processes on this machine's CPU (gloo); "
+                         "for stages on GPUs use torchrun with NCCL (see the README)")
     if config.device == "cuda" and not torch.cuda.is_available():
         raise ValueError("device='cuda' but this host has no CUDA GPU (torch.cuda.is_available() is False)")
 
@@ -143,48 +172,103 @@ def micro_sample(inputs, config: RunConfig):
 def choose_balance(config: RunConfig, model: nn.Sequential, inputs) -> list[int]:
     """Layers per stage: equal counts, or balanced by measured time or memory."""
     if config.balance == "uniform":
-        return config.stages
+        return even_balance(config.layers, config.stages)
     sample = micro_sample(inputs, config)
     if config.balance == "time":
         return balance_by_time(config.stages, model, sample)
     return balance_by_size(config.stages, model, sample)
 
 
-def pipeline(config: RunConfig, model: nn.Sequential, inputs) -> GPipe:
-    """The engine pipeline of a configuration (deferred batch norm, seeded randomness)."""
-    return GPipe(model, choose_balance(config, model, inputs), devices=devices_for(config),
-                 chunks=config.micro_batches, checkpoint=config.checkpoint, schedule=config.schedule,
-                 seed=config.seed, deferred_batch_norm=True, threads_per_stage=config.threads_per_stage)
+def pipe_options(config: RunConfig) -> dict:
+    """How the lab pipelines a configuration: deferred batch norm, seeded randomness."""
+    return dict(chunks=config.micro_batches, checkpoint=config.checkpoint, schedule=config.schedule,
+                seed=config.seed, deferred_batch_norm=True, threads_per_stage=config.threads_per_stage)
+
+
+def pipeline(config: RunConfig, model: nn.Sequential, balance: list[int]) -> GPipe:
+    """The engine pipeline of a configuration, its stages as threads of this process."""
+    return GPipe(model, balance, devices=devices_for(config), **pipe_options(config))
 
 
 def run(config: RunConfig, on_event: Optional[Callable] = None, replay: bool = False,
-        warmup: int = 1) -> RunRecord:
-    """Build the configuration, run `warmup` unrecorded steps, then one measured step.
+        warmup: int = 1, on_wait: Optional[Callable[[], None]] = None) -> RunRecord:
+    """Build the configuration, run `warmup` unrecorded steps, then one measured step, with the
+    stages as threads of this process or, with `transport="processes"`, as the lab's shared stage
+    processes (lab/processes.py; `on_wait` is called if another run holds them).
 
-    `on_event` receives the events of the first warm-up step as its tasks finish (for a live
-    view); the measured step runs unobserved, since drawing while it runs would take CPU time
-    from the stages and show up in the very timings being drawn.
+    `on_event` receives the events of the first warm-up step (for a live view): as its tasks
+    finish with threads, once it is over with processes. The measured step runs unobserved, since
+    drawing while it runs would take CPU time from the stages and show up in the very timings.
 
     With `replay=True`, when the host cannot run all K stages at once, the same step is also run
-    one task at a time (`serial=True`): those task times, not the ones stretched by sharing, are
-    what an ideal replay lays onto K independent devices.
+    one task at a time (`serial=True`, in this process): those task times, not the ones stretched
+    by sharing, are what an ideal replay lays onto K independent devices.
     """
     check(config)
     model, (inputs, targets), loss_fn = build(config)
-    pipe = pipeline(config, model, inputs)
-    try:
-        for step in range(warmup):
-            pipe.step(inputs, targets, loss_fn, on_event=on_event if step == 0 else None)
-        start = time.perf_counter()
-        loss = pipe.step(inputs, targets, loss_fn).item()
-        wall = time.perf_counter() - start
-        trace = pipe.trace
+    balance = choose_balance(config, model, inputs)
+    replayed = replay and config.stages > parallel_devices(config)
+    if config.transport == "processes":
+        trace, loss, wall = _steps_in_processes(config, balance, inputs, targets, loss_fn, warmup, on_event, on_wait)
         solo = None
-        if replay and config.stages > parallel_devices(config):
-            solo = solo_events(pipe, inputs, targets, loss_fn)
-        predicted = predicted_activation_bytes(config, model, inputs, pipe.balance)
-    finally:
-        pipe.close()
+        if replayed:
+            solo_pipe = pipeline(config, build(config)[0], balance)
+            try:
+                solo = solo_events(solo_pipe, inputs, targets, loss_fn)
+            finally:
+                solo_pipe.close()
+    else:
+        pipe = pipeline(config, model, balance)
+        try:
+            for step in range(warmup):
+                pipe.step(inputs, targets, loss_fn, on_event=on_event if step == 0 else None)
+            start = time.perf_counter()
+            loss = pipe.step(inputs, targets, loss_fn).item()
+            wall = time.perf_counter() - start
+            trace = pipe.trace
+            solo = solo_events(pipe, inputs, targets, loss_fn) if replayed else None
+        finally:
+            pipe.close()
+    predicted = predicted_activation_bytes(config, model, inputs, balance)
+    crossed, how = _boundary_traffic(config, trace, model, inputs, balance)
+    return RunRecord(
+        config=asdict(config), balance=list(balance), kind="measured", events=trace.to_records(),
+        memory=[dict(asdict(m), predicted_activation_bytes=p) for m, p in zip(trace.memory, predicted)],
+        makespan=trace.makespan, bubble=trace.bubble, samples_per_second=trace.samples_per_second,
+        loss=loss, wall=wall, host=host.describe(), solo_events=solo, notes=_notes(config, inputs),
+        messages=[asdict(m) for m in trace.messages], boundary_bytes=crossed, boundary_how=how)
+
+
+def _steps_in_processes(config: RunConfig, balance: list[int], inputs, targets, loss_fn, warmup: int,
+                        on_event: Optional[Callable], on_wait: Optional[Callable]) -> tuple[Trace, float, float]:
+    """Warm-up and measured steps on the shared stage processes: (trace, loss, seconds of the step
+    as the first stage's process timed it)."""
+    recipe = dict(name=config.model, blocks=config.blocks, width=config.width, seed=config.seed)
+    with processes.pool_for(config.stages, config.threads_per_stage, on_wait) as pool:
+        pool.build("lab.models:build", recipe, balance=balance, **pipe_options(config))
+        for step in range(warmup):
+            pool.step(inputs, targets, loss_fn)
+            if step == 0 and on_event is not None:
+                for event in pool.trace.events:
+                    on_event(event)
+        loss = pool.step(inputs, targets, loss_fn).item()
+        return pool.trace, loss, pool.seconds
+
+
+def _boundary_traffic(config: RunConfig, trace: Trace, model: nn.Sequential, inputs, balance: list[int]):
+    """Bytes per step across each cut between stages, and how they were obtained: counted on the
+    wire when stages are processes; from the tensors' sizes at each cut when they are threads
+    (which hand tensors over in memory), where a gradient the size of each activation comes back."""
+    if trace.messages:
+        return trace.boundary_bytes, "sent between processes"
+    per_sample = boundary_bytes(model, micro_sample(inputs, config))
+    cuts = [sum(balance[:k + 1]) for k in range(len(balance) - 1)]
+    return ([{"activations": round(config.batch * per_sample[c]), "gradients": round(config.batch * per_sample[c])}
+             for c in cuts], "sizes of the tensors at each cut")
+
+
+def _notes(config: RunConfig, inputs) -> list[str]:
+    """What a learner should know about how this configuration ran here."""
     notes = []
     effective = len(tensors_of(inputs)[0].chunk(config.micro_batches))
     if effective != config.micro_batches:
@@ -194,11 +278,7 @@ def run(config: RunConfig, on_event: Optional[Callable] = None, replay: bool = F
         notes.append(f"{config.stages} stages share {parallel_devices(config)} {config.device.upper()} "
                      f"device(s) here: measured tasks stretch while they wait for one. "
                      f"The ideal replay shows K separate devices.")
-    return RunRecord(
-        config=asdict(config), balance=list(pipe.balance), kind="measured", events=trace.to_records(),
-        memory=[dict(asdict(m), predicted_activation_bytes=p) for m, p in zip(trace.memory, predicted)],
-        makespan=trace.makespan, bubble=trace.bubble, samples_per_second=trace.samples_per_second,
-        loss=loss, wall=wall, host=host.describe(), solo_events=solo, notes=notes)
+    return notes
 
 
 def solo_events(pipe: GPipe, inputs, targets, loss_fn, repeats: int = 2) -> list[dict]:
@@ -257,7 +337,8 @@ def sweep(configs: Iterable[RunConfig], progress: Optional[Callable[[RunRecord],
 
 
 def train(config: RunConfig, steps: int, lr: float = 3e-3) -> list[float]:
-    """Train the configuration's model with Adam for `steps` steps through the pipeline; the losses.
+    """Train the configuration's model with Adam for `steps` steps through the pipeline (its
+    stages as threads or as the shared stage processes); the losses.
 
     Each step draws a fresh mini-batch (seeded by step), so the curve is a real training curve.
     """
@@ -265,12 +346,19 @@ def train(config: RunConfig, steps: int, lr: float = 3e-3) -> list[float]:
     zoo = models.get(config.model)
     model = zoo.build(config.blocks, config.width, config.seed)
     inputs, _ = zoo.batch(config.batch, config.width, config.seed)
-    pipe = pipeline(config, model, inputs)
+    balance = choose_balance(config, model, inputs)
+    batches = [zoo.batch(config.batch, config.width, config.seed + 1 + step) for step in range(steps)]
+    if config.transport == "processes":
+        recipe = dict(name=config.model, blocks=config.blocks, width=config.width, seed=config.seed)
+        with processes.pool_for(config.stages, config.threads_per_stage) as pool:
+            pool.build("lab.models:build", recipe, balance=balance, optimizer=("torch.optim.Adam", {"lr": lr}),
+                       **pipe_options(config))
+            return [pool.step(x, y, zoo.loss_fn).item() for x, y in batches]
+    pipe = pipeline(config, model, balance)
     optimizer = torch.optim.Adam(pipe.parameters(), lr=lr)
     losses = []
     try:
-        for step in range(steps):
-            x, y = zoo.batch(config.batch, config.width, config.seed + 1 + step)
+        for x, y in batches:
             optimizer.zero_grad()
             losses.append(pipe.step(x, y, zoo.loss_fn).item())
             optimizer.step()

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from engine.schedule import SCHEDULES, check_schedule, timeline
-from engine.trace import Event, Trace
+from engine.trace import Event, Message, Trace
 
 THEORY_COSTS = {"F": 1.0, "B": 2.0, "R": 1.0}
 
@@ -47,15 +47,21 @@ class Timeline:
     def bubble(self) -> float:
         return self.trace.bubble
 
+    @property
+    def messages(self) -> list[Message]:
+        return self.trace.messages
 
-def _timeline(label: str, stages: int, events: list[Event], unit: str = "s") -> Timeline:
-    return Timeline(label, Trace(stages=stages, events=sorted(events, key=lambda e: (e.start, e.stage))), unit)
+
+def _timeline(label: str, stages: int, events: list[Event], unit: str = "s", messages=()) -> Timeline:
+    return Timeline(label, Trace(stages=stages, events=sorted(events, key=lambda e: (e.start, e.stage)),
+                                 messages=list(messages)), unit)
 
 
-def measured(events: list[dict], stages: int, label: str = "measured") -> Timeline:
-    """The events of a run as a timeline (seconds from the step's start)."""
+def measured(events: list[dict], stages: int, label: str = "measured", messages: list[dict] = ()) -> Timeline:
+    """The events of a run as a timeline (seconds from the step's start), with the messages
+    between stage processes if there were any."""
     return _timeline(label, stages, [Event(e["stage"], e["micro"], e["op"], e["start"], e["end"], e.get("device", ""))
-                                     for e in events])
+                                     for e in events], messages=[Message(**m) for m in messages])
 
 
 def ideal_replay(events: list[dict], stages: int, micro_batches: int, checkpoint: str,
@@ -80,7 +86,7 @@ def of_record(record, view: str) -> Timeline:
     """The timeline of a lab RunRecord for `view`: "measured", "ideal replay" or "theory"."""
     config = record.config
     if view == "measured":
-        return measured(record.events, record.stages)
+        return measured(record.events, record.stages, f"measured ({record.transport})", record.messages)
     if view == "ideal replay":
         events = record.solo_events or record.events
         label = "ideal replay of tasks timed alone" if record.solo_events else "ideal replay of measured tasks"

@@ -1,8 +1,10 @@
 """Reproduce the paper's tables on this host, and race the peers.
 
-    python -m lab.reproduce speedup [--device cpu|cuda] [--model transformer|cnn] [--quick] [--out DIR]
+    python -m lab.reproduce speedup [--device cpu|cuda] [--model transformer|cnn] [--transport threads|processes]
+                                    [--quick] [--out DIR]
     python -m lab.reproduce memory  [--device cpu|cuda] [--budget BYTES] [--quick] [--out DIR]
     python -m lab.reproduce peers   [--quick] [--out DIR]
+    python -m lab.reproduce transports [--model M] [--width W] [--batch N] [--stages K] [--micro-batches M] [--quick]
     python -m lab.reproduce all     [--quick] [--out DIR]
 
 Each command writes <out>/<name>.md, .csv and .html (a Plotly chart) and prints the markdown table
@@ -25,7 +27,8 @@ from tqdm import tqdm
 from engine.device import keep_freed_cpu_memory
 
 from . import fit, host, peers, speedup, theory
-from .experiments import RunConfig
+from .experiments import APP_DEFAULT, RunConfig
+from .experiments import check as experiments_check
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -41,6 +44,7 @@ def parser() -> argparse.ArgumentParser:
     for name, help_text in (("speedup", "the paper's Table 2: speedup over K and M"),
                             ("memory", "the paper's Table 1 idea: largest model within a memory budget"),
                             ("peers", "our engine vs torch.distributed.pipelining and torchgpipe"),
+                            ("transports", "stages as threads vs as processes at one setting (the app's default)"),
                             ("all", "speedup, memory and peers")):
         command = commands.add_parser(name, help=help_text)
         command.add_argument("--quick", action="store_true", help="small sizes: seconds, for a smoke run or CI")
@@ -52,6 +56,19 @@ def parser() -> argparse.ArgumentParser:
             command.add_argument("--model", default="transformer", help="transformer (default) or cnn")
             command.add_argument("--stages", type=int, nargs="+", default=[1, 2, 4, 8], help="K values")
             command.add_argument("--micro-batches", type=int, nargs="+", default=[1, 4, 32], help="M values")
+            command.add_argument("--transport", default="threads", choices=["threads", "processes"],
+                                 help="measured cells: stages as threads (default) or one process per stage")
+        if name == "transports":
+            default = APP_DEFAULT
+            command.add_argument("--model", default=default.model, help=f"zoo model (default {default.model})")
+            command.add_argument("--blocks", type=int, default=default.blocks)
+            command.add_argument("--width", type=int, default=default.width)
+            command.add_argument("--batch", type=int, default=default.batch)
+            command.add_argument("--stages", type=int, default=default.stages, help="K")
+            command.add_argument("--micro-batches", type=int, default=default.micro_batches, help="M")
+            command.add_argument("--checkpoint", default=default.checkpoint,
+                                 choices=["always", "except_last", "never"])
+            command.add_argument("--rounds", type=int, default=7)
         if name in ("memory", "all"):
             command.add_argument("--budget", type=int, default=None,
                                  help="bytes per device (default 24 MiB, 3 MiB with --quick)")
@@ -65,9 +82,17 @@ def check(args: argparse.Namespace) -> None:
         raise ValueError(f"--device {device!r}: expected cpu or cuda")
     if device == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device cuda, but this host has no CUDA GPU (torch.cuda.is_available() is False)")
+    if device == "cuda" and getattr(args, "transport", "threads") == "processes":
+        raise ValueError("--transport processes runs the stages as local CPU processes over gloo; on GPUs launch "
+                         "python -m lab.train under torchrun (NCCL) instead, or use --transport threads")
     model = getattr(args, "model", "transformer")
     if model not in ("transformer", "cnn"):
         raise ValueError(f"--model {model!r}: expected transformer or cnn")
+    if args.command == "transports":
+        experiments_check(transports_config(args).but(transport="processes"))
+        if args.rounds < 1:
+            raise ValueError(f"--rounds {args.rounds}: expected at least 1")
+        return
     if hasattr(args, "stages"):
         layers = speedup_config(args).layers
         too_many = [k for k in args.stages if k > layers or k < 1]
@@ -84,11 +109,19 @@ def check(args: argparse.Namespace) -> None:
 def speedup_config(args) -> RunConfig:
     """The model each speedup cell trains: 8 layers, so K runs up to 8."""
     quick = args.quick
+    transport = getattr(args, "transport", "threads")
     if args.model == "cnn":
         return RunConfig(model="cnn", blocks=6, width=8 if quick else 32, batch=32 if quick else 64,
-                         seed=args.seed, device=args.device)
+                         seed=args.seed, device=args.device, transport=transport)
     return RunConfig(model="transformer", blocks=6, width=32 if quick else 128, batch=32 if quick else 64,
-                     seed=args.seed, device=args.device)
+                     seed=args.seed, device=args.device, transport=transport)
+
+
+def transports_config(args) -> RunConfig:
+    """The setting compared (the app's default unless changed); --quick shrinks it for a smoke run."""
+    config = RunConfig(model=args.model, blocks=args.blocks, width=args.width, batch=args.batch, stages=args.stages,
+                       micro_batches=args.micro_batches, checkpoint=args.checkpoint, seed=args.seed)
+    return config.but(width=32, blocks=2, batch=16, micro_batches=4) if args.quick else config
 
 
 def memory_config(args) -> tuple[RunConfig, int, int]:
@@ -114,7 +147,7 @@ def speedup_rows(args, progress) -> Iterator[dict]:
                "speedup vs K=1,M=1": round(cell.vs_single, 2), "speedup vs K=1, same M": round(cell.vs_same_m, 2),
                "paper": theory.PAPER_SPEEDUP.get((cell.stages, cell.micro_batches)),
                "ideal K*M/(M+K-1)": round(theory.ideal_speedup(cell.stages, cell.micro_batches), 2),
-               "bubble": round(cell.bubble, 3), "how": cell.how}
+               "bubble": round(cell.bubble, 3), "how": cell.label}
 
 
 def memory_rows(args, progress) -> Iterator[dict]:
@@ -134,6 +167,10 @@ def memory_rows(args, progress) -> Iterator[dict]:
                "parameters": best.params,
                "peak bytes": best.peak_bytes, "growth vs naive": round(best.params / first.params, 2),
                "paper": paper, "probes": len(best.probes)}
+
+
+def transports_rows(args, progress) -> Iterator[dict]:
+    yield from speedup.transports(transports_config(args), 1 if args.quick else args.rounds, progress)
 
 
 def peers_rows(args, progress) -> Iterator[dict]:
@@ -183,6 +220,10 @@ def chart(name: str, rows: list[dict]) -> go.Figure:
             figure.add_scatter(name=implementation, x=group["M"], y=group["speedup vs one core"], mode="lines+markers")
         figure.update_layout(title="K=2 speedup over one core, by implementation", xaxis_title="M",
                              yaxis_title="x", xaxis_type="log")
+    elif name == "transports" and rows:
+        figure.add_bar(x=frame["stages run as"], y=frame["speedup over K=1"], text=frame["speedup range"],
+                       hovertemplate="%{x}: %{y:.2f}x (rounds %{text})<extra></extra>")
+        figure.update_layout(title="Speedup over K=1: stages as threads vs as processes", yaxis_title="x")
     return figure
 
 
@@ -191,6 +232,8 @@ DETAILS = {
                "cells with more stages than devices are ideal replays of task times measured one at a time",
     "memory": "largest Transformer whose real training step (forward, backward, Adam) fits the budget per device",
     "peers": "same model, batch and K=2; one core per stage; max grad diff against the unpipelined model",
+    "transports": "the same steps with the stages as threads of one process and as one process each (gloo); "
+                  "one core per stage; speedup = median per-round ratio to K=1 of the same round",
 }
 
 
@@ -206,7 +249,13 @@ def run_command(name: str, args, rows_of: Callable, out: Path) -> list[dict]:
     if name == "speedup":
         base = speedup_config(args)
         lines.append(f"# model {base.model}: {base.blocks} blocks ({base.layers} layers), width {base.width}, "
-                     f"batch {base.batch}, checkpoint {base.checkpoint}, device {base.device}")
+                     f"batch {base.batch}, checkpoint {base.checkpoint}, device {base.device}, stages as "
+                     f"{base.transport} (K=1 and replayed cells: threads)")
+    if name == "transports":
+        base = transports_config(args)
+        lines.append(f"# model {base.model}: {base.blocks} blocks ({base.layers} layers), width {base.width}, "
+                     f"batch {base.batch}, K={base.stages}, M={base.micro_batches}, checkpoint {base.checkpoint}, "
+                     f"{1 if args.quick else args.rounds} round(s)")
     if name == "peers":
         work, micros, rounds = peers_workload(args)
         lines.append(f"# model {work.blocks} x (Linear({work.width},{work.width}) + ReLU), batch {work.batch}, "
@@ -240,7 +289,8 @@ def run_command(name: str, args, rows_of: Callable, out: Path) -> list[dict]:
     return rows
 
 
-COMMANDS = {"speedup": speedup_rows, "memory": memory_rows, "peers": peers_rows}
+COMMANDS = {"speedup": speedup_rows, "memory": memory_rows, "peers": peers_rows, "transports": transports_rows}
+ALL = ("speedup", "memory", "peers")
 
 
 def main(argv: Iterable[str] = None) -> int:
@@ -252,7 +302,7 @@ def main(argv: Iterable[str] = None) -> int:
         return 2
     if getattr(args, "device", "cpu") == "cpu":
         keep_freed_cpu_memory()
-    names = list(COMMANDS) if args.command == "all" else [args.command]
+    names = list(ALL) if args.command == "all" else [args.command]
     try:
         for name in names:
             run_command(name, args, COMMANDS[name], Path(args.out))

@@ -9,6 +9,7 @@ with a measured step would flatter it).
 """
 from __future__ import annotations
 
+import statistics
 from dataclasses import dataclass
 from typing import Callable, Iterable, Iterator, Optional
 
@@ -25,6 +26,12 @@ class Cell:
     vs_same_m: float          # over K=1 at the same M
     how: str                  # "measured" or "ideal replay"
     bubble: float
+    transport: str = "threads"  # how the stages of a measured cell ran
+
+    @property
+    def label(self) -> str:
+        """"measured (threads)", "measured (processes)" or "ideal replay", as tables show it."""
+        return f"measured ({self.transport})" if self.how == "measured" else self.how
 
 
 def throughput(record: RunRecord) -> tuple[float, str, float]:
@@ -39,7 +46,9 @@ def throughput(record: RunRecord) -> tuple[float, str, float]:
 def measure_table(base: RunConfig, stages: Iterable[int] = (1, 2, 4, 8), micro: Iterable[int] = (1, 4, 32),
                   progress: Optional[Callable[[str], None]] = None) -> Iterator[Cell]:
     """Yield the cells of the grid as they are measured (K=1 first at each M, since the others are
-    normalized to it). K larger than the model's layers, or M larger than the batch, is left out."""
+    normalized to it). K larger than the model's layers, or M larger than the batch, is left out.
+    With `base.transport="processes"` the cells the host can measure run one process per stage;
+    K=1 (one stage, nothing crosses) and the replayed cells run their steps as threads."""
     stages, micro = list(stages), list(micro)
     single: dict[tuple[int, str], float] = {}  # (M, how) -> K=1 samples/s
     for m in micro:
@@ -50,14 +59,15 @@ def measure_table(base: RunConfig, stages: Iterable[int] = (1, 2, 4, 8), micro: 
                 continue
             if progress is not None:
                 progress(f"K={k}, M={m}")
-            record = run(base.but(stages=k, micro_batches=m), replay=True)
+            transport = base.transport if 1 < k <= parallel_devices(base) else "threads"
+            record = run(base.but(stages=k, micro_batches=m, transport=transport), replay=True)
             rate, how, bubble = throughput(record)
             if k == 1:
                 single[(m, "measured")] = rate
                 single[(m, "ideal replay")] = base.batch / replay.of_record(record, "ideal replay").makespan
             if k in stages:
                 first = micro[0] if (micro[0], how) in single else m
-                yield Cell(k, m, rate, rate / single[(first, how)], rate / single[(m, how)], how, bubble)
+                yield Cell(k, m, rate, rate / single[(first, how)], rate / single[(m, how)], how, bubble, transport)
 
 
 def table(base: RunConfig, stages: Iterable[int] = (1, 2, 4, 8), micro: Iterable[int] = (1, 4, 32),
@@ -75,3 +85,28 @@ def bubble_points(base: RunConfig, micro: Iterable[int] = (1, 2, 4, 8, 16, 32)) 
             _, how, bubble = throughput(run(base.but(micro_batches=m), replay=True))
             points.append((m, bubble, how))
     return points
+
+
+def transports(config: RunConfig, rounds: int, progress: Optional[Callable[[str], None]] = None) -> list[dict]:
+    """Threads against processes at one configuration, measured side by side: each round runs K=1,
+    then the K stages as threads, then as processes; a speedup is the median of the per-round
+    ratios to that round's K=1 step (the host is noisy; rounds share its noise)."""
+    steps: dict[str, list[RunRecord]] = {"K=1": [], "threads": [], "processes": []}
+    for round_ in range(rounds):
+        for name, run_config in (("K=1", config.but(stages=1, transport="threads")),
+                                 ("threads", config.but(transport="threads")),
+                                 ("processes", config.but(transport="processes"))):
+            if progress is not None:
+                progress(f"round {round_ + 1}/{rounds}: {name}")
+            steps[name].append(run(run_config))
+    rows = []
+    for name in ("threads", "processes"):
+        ratios = sorted(one.makespan / many.makespan for one, many in zip(steps["K=1"], steps[name]))
+        times = sorted(r.makespan * 1e3 for r in steps[name])
+        rows.append({"stages run as": name, "K": config.stages, "M": config.micro_batches,
+                     "step ms": round(statistics.median(times), 1),
+                     "step ms range": f"{times[0]:.1f} to {times[-1]:.1f}",
+                     "speedup over K=1": round(statistics.median(ratios), 2),
+                     "speedup range": f"{ratios[0]:.2f} to {ratios[-1]:.2f}",
+                     "communication share": round(statistics.median(r.communication_share for r in steps[name]), 3)})
+    return rows

@@ -19,13 +19,13 @@ def app():
 
 def small(at, **values):
     """Choose a small, fast configuration (and any other values), then run."""
-    settings = dict(model="mlp", batch=16, stages=3, micro=4, width=128)
+    settings = dict(model="mlp", batch=16, stages=3, micro=4, width=128, transport="threads")
     settings.update(values)
     model = settings.pop("model")
     if at.selectbox(key="model").value != model:
         at.selectbox(key="model").set_value(model).run()  # its own width slider appears with it
     for key, value in settings.items():
-        widget = {"recompute": at.radio, "balance": at.radio, "view": at.radio}.get(key)
+        widget = {"recompute": at.radio, "balance": at.radio, "view": at.radio, "transport": at.radio}.get(key)
         if key in ("batch", "width", "blocks"):
             key = f"{key}-{model}"
         (widget(key=key) if widget else find_slider(at, key)).set_value(value)
@@ -52,12 +52,14 @@ def test_defaults_run_and_draw_the_measured_gantt(app):
     assert not app.exception and not app.error
     spec, bars = gantt(app)
     stages, micro = 2, 8  # the defaults
-    assert {y for trace in bars.values() for y in trace["y"]} == {f"stage {k}" for k in range(stages)}
+    assert {y for op in ("forward", "recompute", "backward") for y in bars[op]["y"]} == \
+        {f"stage {k}" for k in range(stages)}
+    assert len(bars["sending"]["x"]) == len(bars["receiving"]["x"]) == stages * micro  # processes by default
     assert len(bars["forward"]["x"]) == stages * micro
     assert len(bars["backward"]["x"]) == stages * micro
     assert len(bars["recompute"]["x"]) == stages * (micro - 1)  # except_last is the default
-    assert spec["layout"]["title"]["text"].startswith("measured")
-    assert len(app.get("plotly_chart")) >= 3  # gantt, memory, bubble curve
+    assert spec["layout"]["title"]["text"].startswith("measured (processes)")
+    assert len(app.get("plotly_chart")) >= 4  # gantt, what crossed, memory, bubble curve
     assert len(app.get("download_button")) == 2
 
 
@@ -105,7 +107,7 @@ def test_pinned_runs_are_shown_side_by_side(app):
     small(app, micro=8)
     app.button(key="pin").click().run()
     titles = [json.loads(c.proto.spec)["layout"]["title"]["text"] for c in app.get("plotly_chart")]
-    assert "K=3, M=1, except_last, mlp" in titles and "K=3, M=8, except_last, mlp" in titles
+    assert "K=3, M=1, except_last, mlp, threads" in titles and "K=3, M=8, except_last, mlp, threads" in titles
     assert not app.exception
 
 
@@ -143,5 +145,70 @@ def test_sweeps_fill_the_bubble_curve_and_the_speedup_table(app):
     assert not app.exception
     table = app.dataframe[-1].value
     assert list(table.columns) == ["K", "M", "paper (TPU)", "ideal K*M/(M+K-1)", "this host", "how"]
-    assert set(table["how"]) <= {"measured", "ideal replay"}
+    assert set(table["how"]) <= {"measured (threads)", "measured (processes)", "ideal replay"}
     assert set(table.loc[table["K"] > 2, "how"]) == {"ideal replay"}  # this host has 2 cores
+
+
+@pytest.mark.parametrize("transport", ["threads", "processes"])
+def test_both_transports_draw_k_stage_rows_and_every_task(app, transport):
+    app.run()
+    small(app, stages=2, micro=4, recompute="off", transport=transport)
+    assert not app.exception and not app.error, [e.value for e in app.error]
+    spec, bars = gantt(app)
+    assert spec["layout"]["title"]["text"].startswith(f"measured ({transport})")
+    assert {y for name in ("forward", "backward") for y in bars[name]["y"]} == {"stage 0", "stage 1"}
+    assert len(bars["forward"]["x"]) == len(bars["backward"]["x"]) == 2 * 4
+    if transport == "processes":
+        assert len(bars["sending"]["x"]) == len(bars["receiving"]["x"]) == 2 * 4  # 4 acts forward, 4 grads back
+        assert set(bars["sending"]["y"]) == {"stage 0 · messages", "stage 1 · messages"}
+    else:
+        assert "sending" not in bars
+    titles = [json.loads(c.proto.spec)["layout"]["title"]["text"] for c in app.get("plotly_chart")]
+    assert any(t.startswith("What crosses per step") for t in titles)
+
+
+def test_both_transports_side_by_side(app):
+    app.run()
+    small(app, stages=2, micro=4, transport="processes")
+    app.button(key="other_transport").click().run()
+    assert not app.exception
+    table = app.dataframe[0].value
+    assert list(table["stages run as"]) == ["processes", "threads"]
+    assert all(s > 0 for s in table["speedup over K=1 (same M)"])
+
+
+def test_a_dead_stage_process_is_a_clear_error_and_the_next_run_rebuilds(app):
+    from lab import processes
+    app.run()
+    small(app, stages=2, micro=4, transport="processes")
+    assert not app.error
+    processes.current().kill(1)
+    small(app, stages=2, micro=2, transport="processes")
+    assert not app.exception
+    assert any("A stage process stopped" in e.value for e in app.error)
+    small(app, stages=2, micro=3, transport="processes")
+    assert not app.exception and not app.error
+    assert processes.current().alive
+
+
+def test_a_session_that_finds_the_stage_processes_busy_waits_and_says_so(app):
+    import threading
+    import time
+    from lab import processes
+    app.run()
+    small(app, stages=2, micro=4, transport="processes")
+    holding, release = threading.Event(), threading.Event()
+
+    def other_session():
+        with processes.pool_for(2):
+            holding.set()
+            release.wait(30)
+
+    other = threading.Thread(target=other_session)
+    other.start()
+    holding.wait(30)
+    threading.Timer(1.0, release.set).start()
+    small(app, stages=2, micro=3, transport="processes")  # a new setting: this session runs it now, and waits
+    other.join()
+    assert not app.exception and not app.error
+    assert any("waited its turn" in c.value and "another session" in c.value for c in app.caption)

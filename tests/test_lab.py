@@ -150,3 +150,50 @@ def test_one_f_one_b_runs_through_the_lab():
     assert ofob.memory[-1]["activation_peak_bytes"] < gpipe.memory[-1]["activation_peak_bytes"]
     assert replay.task_order(2, 3, "never", "1f1b", stage=1) == "F0 B0 F1 B1 F2 B2"
     assert replay.of_record(ofob, "theory").label == "theory (unit costs), 1f1b"
+
+
+def test_processes_record_the_same_shape_plus_what_crossed_between_them():
+    from lab import processes
+    config = RunConfig(model="mlp", blocks=4, width=32, batch=16, stages=2, micro_batches=4, checkpoint="never")
+    threads, procs = experiments.run(config), experiments.run(config.but(transport="processes"))
+    assert procs.transport == "processes" and threads.transport == "threads"
+    assert sorted((e["stage"], e["op"], e["micro"]) for e in procs.events) == \
+        sorted((e["stage"], e["op"], e["micro"]) for e in threads.events)
+    assert procs.loss == threads.loss  # bit for bit the same step
+    sent = [m for m in procs.messages if m["direction"] == "send"]
+    assert sorted((m["kind"], m["micro"]) for m in sent) == sorted((k, m) for k in ("act", "grad") for m in range(4))
+    # what the wire carried is exactly what the tensors at the cut weigh: 16 samples x 32 floats each way
+    assert procs.boundary_bytes == threads.boundary_bytes == [{"activations": 16 * 32 * 4, "gradients": 16 * 32 * 4}]
+    assert procs.boundary_how == "sent between processes" and threads.boundary_how.startswith("sizes of the tensors")
+    assert 0 < procs.communication_share < 1 and threads.communication_share == 0
+    line = replay.of_record(procs, "measured")
+    assert line.label == "measured (processes)" and len(line.messages) == 16
+    pool = processes.current()
+    experiments.run(config.but(transport="processes", micro_batches=2))
+    assert processes.current() is pool  # same K: the stage processes are reused
+    experiments.run(config.but(transport="processes", stages=3))
+    assert processes.current() is not pool and not pool.alive and processes.current().stages == 3
+    processes.shutdown_pool()
+
+
+def test_gantt_of_processes_has_a_message_row_per_stage_and_the_boundary_chart():
+    from engine.trace import Message
+    line = replay.theory(2, 2)
+    traced = replay.Timeline("measured (processes)", type(line.trace)(
+        stages=2, events=line.trace.events,
+        messages=[Message(0, 1, "send", "act", 0, 128, 1.0, 1.1), Message(1, 0, "receive", "act", 0, 128, 1.2, 1.3)]))
+    figure = charts.gantt(traced)
+    names = {t.name: t for t in figure.data}
+    assert list(names["sending"].y) == ["stage 0 · messages"] and list(names["receiving"].text) == ["act 0"]
+    assert list(figure.layout.yaxis.categoryarray) == ["stage 1 · messages", "stage 1", "stage 0 · messages", "stage 0"]
+    chart = charts.boundary_chart([{"activations": 2 ** 20, "gradients": 2 ** 21}], "sent between processes",
+                                  param_bytes=3 * 2 ** 20, stages=2)
+    bars = {t.name: list(t.y) for t in chart.data}
+    assert bars["activations forward (sent between processes)"] == [1.0]
+    assert bars["gradients back (sent between processes)"] == [2.0]
+    assert bars["data parallel, K=2: all-reduce per device"] == [3.0]  # every gradient, 2(K-1)/K = 1 times
+
+
+def test_bad_transport_is_explained():
+    with pytest.raises(ValueError, match="transport='pigeons': expected one of"):
+        experiments.check(RunConfig(transport="pigeons"))

@@ -17,7 +17,7 @@ def test_speedup_quick_writes_labelled_tables(tmp_path, capsys):
     assert code == 0
     rows = read_csv(tmp_path / "speedup.csv")
     assert [(r["K"], r["M"]) for r in rows] == [("1", "1"), ("2", "1"), ("4", "1"), ("1", "4"), ("2", "4"), ("4", "4")]
-    assert {r["how"] for r in rows if r["K"] in ("1", "2")} == {"measured"}   # 2 cores: one per stage
+    assert {r["how"] for r in rows if r["K"] in ("1", "2")} == {"measured (threads)"}   # 2 cores: one per stage
     assert {r["how"] for r in rows if r["K"] == "4"} == {"ideal replay"}
     assert all(float(r["speedup vs K=1, same M"]) > 0 for r in rows)
     assert [r["speedup vs K=1, same M"] for r in rows if r["K"] == "1"] == ["1.0", "1.0"]
@@ -28,6 +28,17 @@ def test_speedup_quick_writes_labelled_tables(tmp_path, capsys):
     out = capsys.readouterr().out
     assert out.rstrip().endswith(markdown.rstrip().splitlines()[-1])  # the markdown table is printed last
     assert "| 32 | 1.8 | 3.4 | 6.3 |" in out  # the paper's numbers beside it
+
+
+def test_speedup_with_processes_and_the_transports_comparison(tmp_path):
+    assert reproduce.main(["speedup", "--quick", "--transport", "processes", "--stages", "1", "2", "--micro-batches",
+                           "4", "--out", str(tmp_path)]) == 0
+    rows = read_csv(tmp_path / "speedup.csv")
+    assert [r["how"] for r in rows] == ["measured (threads)", "measured (processes)"]  # K=1 has no transport
+    assert reproduce.main(["transports", "--quick", "--out", str(tmp_path)]) == 0
+    rows = read_csv(tmp_path / "transports.csv")
+    assert [r["stages run as"] for r in rows] == ["threads", "processes"]
+    assert float(rows[0]["communication share"]) == 0 < float(rows[1]["communication share"])
 
 
 def test_memory_quick_finds_growing_models(tmp_path):
@@ -78,6 +89,8 @@ def test_the_peers_table_pairs_each_round_with_its_baseline():
     (["speedup", "--model", "resnet"], "--model 'resnet'"),
     (["speedup", "--stages", "1", "16"], "--stages 16"),
     (["memory", "--budget", "0"], "--budget 0"),
+    (["transports", "--stages", "9", "--blocks", "2"], "K=9 stages but the transformer has only 4 layers"),
+    (["transports", "--rounds", "0"], "--rounds 0"),
 ])
 def test_bad_arguments_get_one_line_and_exit_code_2(argv, words, capsys):
     if "cuda" in argv:
@@ -90,9 +103,10 @@ def test_bad_arguments_get_one_line_and_exit_code_2(argv, words, capsys):
     assert words in err and len(err.strip().splitlines()) == 1
 
 
-def test_unknown_command_is_one_line_too(capsys):
+@pytest.mark.parametrize("argv", [["bogus"], ["speedup", "--transport", "pigeons"]])
+def test_unknown_choices_are_one_line_too(argv, capsys):
     with pytest.raises(SystemExit) as exit_info:
-        reproduce.main(["bogus"])
+        reproduce.main(argv)
     assert exit_info.value.code == 2
     assert len(capsys.readouterr().err.strip().splitlines()) == 1
 
