@@ -39,6 +39,7 @@ import torch.distributed as dist
 
 from . import wire
 from .microbatch import Value
+from .schedule import owner
 from .transport import StageFailed
 
 HEADER_TAG, DATA_TAG, CLOCK_TAG = 1, 2, 3
@@ -181,9 +182,14 @@ class ProcessTransport:
         return self._get((self.step, *_wire_key(key)))
 
     def send(self, source: int, destination: int, key, value: Value) -> None:
-        """Send `value`, for the current call, to the rank of stage `destination` under `key`."""
+        """Send `value`, for the current call, to the rank that holds chunk `destination`, under `key`
+        (to this very rank, with one stage of several chunks, it is filed directly)."""
         kind, micro, chunk = _wire_key(key)
-        self._post(destination, kind, micro, chunk, value)
+        rank = owner(destination, self.ranks.size)
+        if rank == self.ranks.rank:
+            self._arrived[(self.step, kind, micro, chunk)] = (value, None)
+            return
+        self._post(rank, kind, micro, chunk, value)
 
     def send_control(self, destination: int, kind: str, value=None) -> None:
         """Send the current call's "end" (upstream) or "done" (downstream) message."""

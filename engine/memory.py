@@ -60,7 +60,9 @@ class ActivationLedger:
                 if self.live > self.peak:
                     self.peak = self.live
             entry[1] += 1
-        return _Held(tensor, self, key)
+        # detached: a layer's saved output would otherwise hold its own graph node, a cycle that
+        # outlives the graph when no backward frees it (a failed step, or a graph kept for W)
+        return _Held(tensor.detach(), self, key)
 
     def hold_all(self, tensors: Iterable[torch.Tensor]) -> list:
         """Count several tensors (e.g. a stage input kept for recompute) until the handles go."""

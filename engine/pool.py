@@ -139,19 +139,23 @@ class ProcessPool:
         return answers[-1][0]
 
     def parameters(self) -> list[torch.Tensor]:
-        """Copies of the model's parameters, in the model's order (stage 0's first)."""
-        self._require_built()
-        return [p for answer in self._ask([("parameters", ())] * self.stages) for p in answer]
+        """Copies of the model's parameters, in the model's order."""
+        return self._by_chunk("parameters")
 
     def gradients(self) -> list[Optional[torch.Tensor]]:
         """Copies of the parameters' gradients after the last step, in the model's order."""
-        self._require_built()
-        return [g for answer in self._ask([("gradients", ())] * self.stages) for g in answer]
+        return self._by_chunk("gradients")
 
     def buffers(self) -> list[torch.Tensor]:
         """Copies of the model's buffers (batch norm statistics), in the model's order."""
+        return self._by_chunk("buffers")
+
+    def _by_chunk(self, what: str) -> list:
+        """Each process's tensors of `what`, per chunk of layers it holds, put in the model's order
+        (a stage holds chunks k, k+K, ... when stages hold several)."""
         self._require_built()
-        return [b for answer in self._ask([("buffers", ())] * self.stages) for b in answer]
+        per_chunk = {chunk: tensors for answer in self._ask([(what, ())] * self.stages) for chunk, tensors in answer}
+        return [t for chunk in sorted(per_chunk) for t in per_chunk[chunk]]
 
     def kill(self, stage: int) -> None:
         """Kill one stage process at once (SIGKILL), as a crash would: for tests and lessons."""
@@ -304,12 +308,9 @@ def _serve(rank: int, size: int, port: int, connection, threads: int, keep_freed
                 elif command == "forward":
                     out = pipe(*args)
                     answer = (None if out is None else out.detach().cpu(), pipe.trace if rank == 0 else None)
-                elif command == "parameters":
-                    answer = [p.detach().cpu().clone() for p in pipe.parameters()]
-                elif command == "gradients":
-                    answer = [None if p.grad is None else p.grad.detach().cpu().clone() for p in pipe.parameters()]
-                elif command == "buffers":
-                    answer = [b.detach().cpu().clone() for b in pipe.buffers()]
+                elif command in ("parameters", "gradients", "buffers"):
+                    answer = [(chunk, _copies(partition, command))
+                              for chunk, partition in zip(pipe.local_chunks, pipe.partitions)]
                 else:
                     raise ValueError(f"unknown command {command!r}")
                 connection.send(("ok", answer))
@@ -319,6 +320,14 @@ def _serve(rank: int, size: int, port: int, connection, threads: int, keep_freed
         if pipe is not None:
             pipe.close()
         dist.destroy_process_group()
+
+
+def _copies(partition: torch.nn.Module, what: str) -> list:
+    """Copies, on the CPU, of a partition's parameters, their gradients, or its buffers."""
+    if what == "buffers":
+        return [b.detach().cpu().clone() for b in partition.buffers()]
+    tensors = [p if what == "parameters" else p.grad for p in partition.parameters()]
+    return [None if t is None else t.detach().cpu().clone() for t in tensors]
 
 
 def _build(recipe: str, recipe_kwargs: dict, balance, options: dict, optimizer, threads: int):

@@ -20,25 +20,27 @@ import torch
 from . import wire
 from .distributed import ProcessTransport, Ranks, StageFailed
 from .microbatch import check_inputs, check_targets, gather, scatter
-from .schedule import checkpointed
+from .schedule import checkpointed, splits_backward
 from .stage import Stage, StepPlan
 from .trace import Event, Message, StageMemory, Trace
 from .worker import name_place, run_stage
 
 
 class RankRunner:
-    """Runs this rank's stage for each call and exchanges what a call ends with."""
+    """Runs this rank's stage (its chunk, or chunks) for each call and exchanges what a call ends with."""
 
-    def __init__(self, ranks: Ranks, stage: Stage, transport: ProcessTransport):
-        self.ranks, self.stage, self.transport = ranks, stage, transport
+    def __init__(self, ranks: Ranks, chunks: dict[int, Stage], transport: ProcessTransport):
+        self.ranks, self.chunks, self.transport = ranks, chunks, transport
         self.calls = 0
 
     def call(self, kind: str, inputs, targets, loss_fn: Optional[Callable], chunks: int, checkpoint: str,
-             schedule: Callable, base_seed: Callable[[], int], record_memory: bool, memory_of: Callable,
-             on_event=None) -> tuple[object, Trace]:
+             task_lists: Callable[[int], list], base_seed: Callable[[], int], record_memory: bool,
+             start: Callable, memory_of: Callable, on_event=None) -> tuple[object, Trace]:
         """Run one call ("step" or "forward") on this rank. Returns (the loss on every rank for a
-        step; the output on the last stage's rank for a forward, None elsewhere) and the trace."""
-        ranks, stage, transport = self.ranks, self.stage, self.transport
+        step; the output on the last stage's rank for a forward, None elsewhere) and the trace.
+        `task_lists(M)` gives every stage's tasks; `start(plan, t0)` prepares this rank's chunks."""
+        ranks, transport = self.ranks, self.transport
+        stage = self.chunks[ranks.rank]
         training = kind == "step"
         transport.begin(self.calls, None)
         self.calls += 1
@@ -63,21 +65,24 @@ class RankRunner:
                 check_targets(targets, plan.batch)
                 micro_targets = scatter(targets, chunks)
                 weights = [t.shape[0] / plan.batch for t in micro_targets]
+            schedule = task_lists(plan.count)
             step_plan = StepPlan(inputs=micro_inputs, targets=micro_targets, loss_fn=loss_fn, weights=weights,
                                  checkpointed=[training and checkpointed(m, plan.count, checkpoint)
                                                for m in range(plan.count)],
-                                 base_seed=plan.seed, training=training, record_memory=training and record_memory)
-            stage.start(step_plan, t0)
-            tasks = schedule(ranks.size, plan.count, checkpoint)[ranks.rank]
-            events = run_stage(stage, tasks, transport, on_event, prefix=f"rank {ranks.rank}, ")
+                                 base_seed=plan.seed, training=training, record_memory=training and record_memory,
+                                 split_backward=splits_backward(schedule))
+            start(step_plan, t0)
+            events = run_stage(self.chunks, ranks.rank, schedule[ranks.rank], transport, on_event,
+                               prefix=f"rank {ranks.rank}, ")
             result = None
             if ranks.is_last:
-                state = stage.state
+                state = self.chunks[max(self.chunks)].state  # the model's last chunk
                 result = sum(state.losses[m] * weights[m] for m in range(plan.count)) if training else \
                     gather([state.outputs[m] for m in range(plan.count)])
-            if stage.batch_norm is not None:
-                stage.batch_norm.finish_step()
-            piece = self._piece(events, t0, memory_of(stage))
+            for chunk in self.chunks.values():
+                if chunk.batch_norm is not None:
+                    chunk.batch_norm.finish_step()
+            piece = self._piece(events, t0, memory_of(ranks.rank))
             loss, pieces = self._end_waves(result if training else None, piece)
         except BaseException as error:
             if not isinstance(error, StageFailed):
@@ -86,7 +91,8 @@ class RankRunner:
                 transport.report_failure(f"{type(error).__name__}: {error.args[0] if error.args else error}")
             raise
         finally:
-            stage.finish()
+            for chunk in self.chunks.values():
+                chunk.finish()
         wall = time.perf_counter() - t0
         trace = self._trace(pieces, kind, plan, checkpoint, wall)
         if training:
@@ -122,7 +128,7 @@ class RankRunner:
         events, messages, memory = [], [], []
         for start, stage_events, stage_messages, stage_memory in pieces:
             shift = start - origin
-            events += [Event(s, m, op, a + shift, b + shift, d) for s, m, op, a, b, d in stage_events]
+            events += [Event(s, m, op, a + shift, b + shift, d, c) for s, m, op, a, b, d, c in stage_events]
             messages += [Message(*fields[:6], fields[6] + shift, fields[7] + shift) for fields in stage_messages]
             memory.append(StageMemory(*stage_memory))
         events.sort(key=lambda e: (e.start, e.stage))

@@ -1,9 +1,16 @@
-"""One pipeline stage: its layers, and the forward (F), recompute (R) and backward (B) tasks.
+"""One chunk of a pipeline's layers and its tasks: forward (F), recompute (R), backward (B) and,
+for schedules that split the backward, the weight gradient (W).
 
-A stage keeps, per micro-batch, either the graph of its forward (to run backward on later) or,
-when the micro-batch is checkpointed, only its input (to recompute the graph just before backward).
-Its backward is run explicitly by the stage's own worker with `torch.autograd.backward`, from the
-gradient the next stage sent back, so stages run their backwards in parallel.
+A chunk is what a stage runs; a stage holds one chunk, or several with schedule="interleaved". It
+keeps, per micro-batch, either the graph of its forward (to run the backward on later) or, when
+the micro-batch is checkpointed, only its input (to recompute the graph just before the backward).
+The backward is run explicitly by the stage's own worker, from the gradient the next chunk sent
+back, so stages run their backwards in parallel.
+
+Split backward (zero-bubble schedules): B computes, in one pass through the chunk's graph, the
+gradient of its input (sent upstream at once) and of every layer's output, keeping the graph; W
+then computes each layer's weight gradients from its output's gradient, so the only work done
+twice is the backward inside a layer (none for a Linear, its activation for a Linear+ReLU block).
 """
 from __future__ import annotations
 
@@ -37,6 +44,7 @@ class StepPlan:
     base_seed: int
     training: bool           # True for step(): keep graphs and run backward
     record_memory: bool
+    split_backward: bool = False  # the schedule has W tasks: B leaves the weight gradients to them
 
 
 @dataclass
@@ -44,18 +52,20 @@ class StageState:
     """What one stage holds between its tasks during one call; dropped when the call ends."""
 
     kept_inputs: dict = field(default_factory=dict)   # micro -> input kept for recompute
-    graphs: dict = field(default_factory=dict)        # micro -> (input, output or loss) with graph
-    outputs: dict = field(default_factory=dict)       # micro -> output (last stage, forward-only)
-    losses: dict = field(default_factory=dict)        # micro -> detached loss (last stage)
+    graphs: dict = field(default_factory=dict)        # micro -> (input, output or loss, layer outputs)
+    outputs: dict = field(default_factory=dict)       # micro -> output (last chunk, forward-only)
+    losses: dict = field(default_factory=dict)        # micro -> detached loss (last chunk)
+    weight_work: dict = field(default_factory=dict)   # micro -> per layer (roots, gradients, parameters)
 
 
 class Stage:
-    """Layers `first .. first+len-1` of the model, placed on one device."""
+    """Chunk `index` of `count`: layers `first .. first+len-1` of the model, on one device."""
 
     def __init__(self, index: int, count: int, partition: Partition, first: int,
-                 device: StageDevice, deferred_batch_norm: bool):
+                 device: StageDevice, deferred_batch_norm: bool, worker: int):
         self.index = index
         self.count = count
+        self.worker = worker  # the stage that runs this chunk
         self.is_first = index == 0
         self.is_last = index == count - 1
         self.partition = partition
@@ -64,6 +74,7 @@ class Stage:
         bn_layers = batch_norm_layers(partition)
         self.batch_norm = StageBatchNorm(bn_layers, deferred_batch_norm) if bn_layers else None
         self._has_batch_norm = [bool(batch_norm_layers(layer)) for layer in partition]
+        self._parameters = [list(layer.parameters()) for layer in partition]
         self.ledger = ActivationLedger()
         self.randomness = StageRandomness(list(zip(self.layer_ids, partition)))
         self.state = StageState()
@@ -77,13 +88,13 @@ class Stage:
         as seconds, which on CUDA waits for the GPU)."""
         if timed:
             start, end = self.device.seconds(start), self.device.seconds(end)
-        return Event(self.index, task.micro, task.op, start, end, str(self.device.device))
+        return Event(self.worker, task.micro, task.op, start, end, str(self.device.device), task.chunk)
 
-    def start(self, plan: StepPlan, t0: float) -> None:
-        """Reset per-call state before the workers start."""
+    def start(self, plan: StepPlan, ledger: ActivationLedger) -> None:
+        """Reset per-call state before the workers start; `ledger` counts the activations of every
+        chunk of this chunk's stage (their sum is what the stage's device holds)."""
         self.state = StageState()
-        self.ledger = ActivationLedger(self.parameters())
-        self.device.start(t0)
+        self.ledger = ledger
         if self.batch_norm is not None:
             self.batch_norm.start_step()
         self.randomness.start(plan.base_seed)
@@ -97,10 +108,15 @@ class Stage:
     # --- tasks -----------------------------------------------------------------------------
 
     def run(self, task: Task, received) -> Optional[tuple[int, tuple, Value]]:
-        """Run one task. `received` is what the upstream stage sent for it (activation for F on a
-        later stage, gradient for B on an earlier one), else None. Returns the message for a
-        neighbouring stage, (stage, key, value), if the task produced one."""
-        return {"F": self._forward, "R": self._recompute, "B": self._backward}[task.op](task.micro, received)
+        """Run one task. `received` is what the upstream chunk sent for it (activation for F on a
+        later chunk, gradient for B on an earlier one), else None. Returns the message for a
+        neighbouring chunk, (chunk, key, value), if the task produced one."""
+        run = {"F": self._forward, "R": self._recompute, "B": self._backward, "W": self._weights}[task.op]
+        return run(task.micro, received)
+
+    def _message(self, kind: str, micro: int, value: Value) -> tuple[int, tuple, Value]:
+        destination = self.index + 1 if kind == "F" else self.index - 1
+        return destination, message_key(Task(kind, micro, destination)), value
 
     def _forward(self, micro: int, received):
         plan, state = self.plan, self.state
@@ -111,35 +127,37 @@ class Stage:
             if self.is_last:
                 state.outputs[micro] = out
                 return None
-            return self.index + 1, message_key(Task("F", micro)), out
+            return self._message("F", micro, out)
         if not self.is_first:
             x = as_leaves(x)
         keep_graph = not plan.checkpointed[micro]
+        layer_outputs = [] if keep_graph and plan.split_backward else None
         with torch.set_grad_enabled(keep_graph):
-            out = self._layers(x, micro)
+            out = self._layers(x, micro, layer_outputs)
             loss = self._loss(out, micro) if self.is_last else None
         if keep_graph:
-            state.graphs[micro] = (x, loss if self.is_last else out)
+            state.graphs[micro] = (x, loss if self.is_last else out, layer_outputs)
         else:
             held = self.ledger.hold_all(tensors_of(x)) if plan.record_memory else []
             state.kept_inputs[micro] = (x, held)
         if self.is_last:
             state.losses[micro] = loss.detach()
             return None
-        return self.index + 1, message_key(Task("F", micro)), detached(out)
+        return self._message("F", micro, detached(out))
 
     def _recompute(self, micro: int, received) -> None:
         x, held = self.state.kept_inputs.pop(micro)
         recomputing = self.batch_norm.recomputing() if self.batch_norm is not None else nullcontext()
+        layer_outputs = [] if self.plan.split_backward else None
         with torch.enable_grad(), recomputing:
-            out = self._layers(x, micro)
+            out = self._layers(x, micro, layer_outputs)
             if self.is_last:
                 out = self._loss(out, micro)
-        self.state.graphs[micro] = (x, out)
+        self.state.graphs[micro] = (x, out, layer_outputs)
         del held  # the recomputed graph now holds what it needs of the input
 
     def _backward(self, micro: int, received):
-        x, out = self.state.graphs.pop(micro)
+        x, out, layer_outputs = self.state.graphs.pop(micro)
         if self.is_last:
             roots = [out]
             grads = [torch.tensor(self.plan.weights[micro], dtype=out.dtype, device=out.device)]
@@ -148,18 +166,49 @@ class Stage:
             pairs = [(o, g) for o, g in zip(tensors_of(out), grads_out) if g is not None and o.requires_grad]
             roots, grads = [o for o, _ in pairs], [g for _, g in pairs]
         del out
-        if roots:
-            torch.autograd.backward(roots, grads)
+        inputs = [] if self.is_first else [t for t in tensors_of(x) if t.requires_grad]
+        if layer_outputs is not None:
+            input_grads = self._backward_inputs(micro, roots, grads, inputs, layer_outputs)
+        else:
+            if roots:
+                torch.autograd.backward(roots, grads)
+            input_grads = {id(t): t.grad for t in inputs}
         if self.is_first:
             return None
-        input_grads = tuple(t.grad if t.requires_grad else None for t in tensors_of(x))
-        return self.index - 1, message_key(Task("B", micro)), rebuild(x, input_grads)
+        return self._message("B", micro, rebuild(x, tuple(input_grads.get(id(t)) for t in tensors_of(x))))
+
+    def _backward_inputs(self, micro: int, roots, grads, inputs, layer_outputs) -> dict:
+        """B of a split backward: one pass for the gradients of the chunk's input and of each
+        layer's output (the graph kept for W); returns {id(input tensor): its gradient}. The work
+        W will do, per layer with parameters, is filed as (output tensors, their gradients)."""
+        last = len(layer_outputs) - 1
+        inner = [t for j, h in enumerate(layer_outputs) if j < last or self.is_last
+                 for t in tensors_of(h) if t.requires_grad]
+        found = dict(zip(map(id, inputs + inner),
+                         torch.autograd.grad(roots, inputs + inner, grads, retain_graph=True, allow_unused=True)
+                         if roots and inputs + inner else [None] * len(inputs + inner)))
+        if not self.is_last:  # the chunk's own output: its gradient came from the next chunk
+            found.update({id(r): g for r, g in zip(roots, grads)})
+        work = []
+        for h, parameters in zip(layer_outputs, self._parameters):
+            pairs = [(t, found.get(id(t))) for t in tensors_of(h)]
+            pairs = [(t, g) for t, g in pairs if g is not None]
+            if parameters and pairs:
+                work.append(([t for t, _ in pairs], [g for _, g in pairs], parameters))
+        self.state.weight_work[micro] = work
+        return {id(t): found[id(t)] for t in inputs}
+
+    def _weights(self, micro: int, received) -> None:
+        """W of a split backward: each layer's weight gradients, from its output's gradient."""
+        for roots, grads, parameters in self.state.weight_work.pop(micro):
+            torch.autograd.backward(roots, grads, inputs=parameters)
 
     # --- helpers ---------------------------------------------------------------------------
 
-    def _layers(self, x: Value, micro: int) -> Value:
-        """Run this stage's layers on one micro-batch, under the stage's random streams, batch norm
-        control (only around the layers that need them: each costs Python calls per op) and ledger."""
+    def _layers(self, x: Value, micro: int, layer_outputs: Optional[list] = None) -> Value:
+        """Run this chunk's layers on one micro-batch, under its random streams, batch norm control
+        (only around the layers that need them: each costs Python calls per op) and ledger; append
+        each layer's output to `layer_outputs` if given (a split backward needs them)."""
         if self.batch_norm is not None:
             self.batch_norm.micro = micro
         counting = self.plan.record_memory and torch.is_grad_enabled()
@@ -168,6 +217,8 @@ class Stage:
             for layer_id, layer, has_bn in zip(self.layer_ids, self.partition, self._has_batch_norm):
                 with self.batch_norm if has_bn else nullcontext():
                     x = self.randomness.run(layer_id, layer, x, micro)
+                if layer_outputs is not None:
+                    layer_outputs.append(x)
             return x
 
         with self.ledger.saving() if counting else nullcontext(), self.partition.running(each_layer) as partition:

@@ -8,7 +8,9 @@ from typing import Optional
 
 @dataclass(frozen=True)
 class Event:
-    """One task as it ran: `op` is "F", "R" or "B"; `start`/`end` are seconds from the step's start."""
+    """One task as it ran on a stage: `op` is "F", "R", "B" or "W"; `start`/`end` are seconds from
+    the step's start; `chunk` is the chunk of layers it ran (the stage itself, unless stages hold
+    several chunks)."""
 
     stage: int
     micro: int
@@ -16,6 +18,7 @@ class Event:
     start: float
     end: float
     device: str
+    chunk: int = 0
 
     @property
     def duration(self) -> float:
@@ -104,13 +107,16 @@ class Trace:
 
     @property
     def boundary_bytes(self) -> list[dict]:
-        """Per boundary between stage k and k+1: bytes of activations sent forward and of gradients
-        sent back in this call (only messages between processes are counted; threads share memory)."""
-        totals = [{"activations": 0, "gradients": 0} for _ in range(max(self.stages - 1, 0))]
+        """Per pair of stages that exchanged messages (stage k and k+1, and stage K-1 and 0 when
+        stages hold several chunks): bytes of activations sent forward and of gradients sent back
+        in this call. Only messages between processes are counted: threads share memory."""
+        totals: dict[tuple[int, int], dict] = {}
         for m in self.messages:
-            if m.direction == "send" and abs(m.peer - m.stage) == 1:
-                totals[min(m.stage, m.peer)]["activations" if m.kind == "act" else "gradients"] += m.bytes
-        return totals
+            if m.direction == "send":
+                pair = (m.stage, m.peer) if m.kind == "act" else (m.peer, m.stage)
+                entry = totals.setdefault(pair, {"stages": pair, "activations": 0, "gradients": 0})
+                entry["activations" if m.kind == "act" else "gradients"] += m.bytes
+        return [totals[pair] for pair in sorted(totals)]
 
     @property
     def communication(self) -> list[float]:
@@ -128,13 +134,13 @@ class Trace:
         """The events as a pandas DataFrame, one row per task, with a `duration` column."""
         import pandas as pd
 
-        frame = pd.DataFrame(self.to_records(), columns=["stage", "micro", "op", "start", "end", "device"])
+        frame = pd.DataFrame(self.to_records(), columns=["stage", "micro", "op", "start", "end", "device", "chunk"])
         frame["duration"] = frame["end"] - frame["start"]
         return frame
 
     def to_chrome_trace(self) -> str:
         """Chrome-trace JSON (open it at ui.perfetto.dev or chrome://tracing): one row per stage."""
-        names = {"F": "forward", "R": "recompute", "B": "backward"}
+        names = {"F": "forward", "R": "recompute", "B": "backward", "W": "weight gradient"}
         rows = [{"name": "thread_name", "ph": "M", "pid": 0, "tid": s, "args": {"name": f"stage {s}"}}
                 for s in range(self.stages)]
         rows += [{"name": f"{e.op}{e.micro}", "cat": names.get(e.op, e.op), "ph": "X", "pid": 0, "tid": e.stage,

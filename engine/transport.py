@@ -1,8 +1,9 @@
 """How stages hand each other activations and gradients.
 
-A stage's worker needs two calls: `receive(stage, key)` for what its next task needs from a
-neighbour, and `send(source, destination, key, value)` for what a task produced for one. The key is
-("act" | "grad", micro-batch), named by the task that waits for it. `ThreadTransport` connects K
+A stage's worker needs two calls: `receive(stage, key)` for what its next task needs from another
+chunk, and `send(source, destination, key, value)` for what a task produced for one (source and
+destination are chunks). The key is ("act" | "grad", micro-batch, chunk), named by the task that
+waits for it. `ThreadTransport` connects K
 stage threads of one process through mailboxes; `engine.distributed.ProcessTransport` offers the
 same two calls between processes over torch.distributed, so stage and schedule code are shared.
 """
@@ -15,8 +16,9 @@ from .microbatch import Value
 
 
 def message_key(task) -> tuple:
-    """The mailbox key of what `task` needs from another stage: ("act", m) for F, ("grad", m) for B."""
-    return ("act" if task.op == "F" else "grad", task.micro)
+    """The mailbox key of what `task` needs from another chunk: ("act", m, chunk) for a forward,
+    ("grad", m, chunk) for a backward, where chunk is the task's own (the receiving one)."""
+    return ("act" if task.op == "F" else "grad", task.micro, task.chunk)
 
 
 class Aborted(Exception):
@@ -76,22 +78,23 @@ class Mailbox:
 
 
 class ThreadTransport:
-    """Mailboxes for K stage threads in one process; values move between the stages' devices."""
+    """Mailboxes for K stage threads in one process; values move between the chunks' devices."""
 
-    def __init__(self, stages: list):
-        self.stages = stages
-        self.mailboxes = [Mailbox() for _ in stages]
+    def __init__(self, chunks: dict, stages: int):
+        self.chunks = chunks
+        self.mailboxes = [Mailbox() for _ in range(stages)]
 
     def receive(self, stage: int, key):
-        """What another stage sent to `stage` under `key`: (value, ready event or None), for
-        `StageDevice.receive` on the receiving stage."""
+        """What another chunk sent to a chunk of `stage` under `key`: (value, ready event or None),
+        for `StageDevice.receive` on the receiving stage."""
         return self.mailboxes[stage].get(key)
 
     def send(self, source: int, destination: int, key, value: Value) -> None:
-        """Deliver `value` from stage `source` to stage `destination` under `key`, moving it towards
+        """Deliver `value` from chunk `source` to chunk `destination` under `key`, moving it towards
         the destination's device on the source's stream."""
-        payload = self.stages[source].device.send(value, self.stages[destination].device.device)
-        self.mailboxes[destination].put(key, payload)
+        target = self.chunks[destination]
+        payload = self.chunks[source].device.send(value, target.device.device)
+        self.mailboxes[target.worker].put(key, payload)
 
     def abort(self) -> None:
         """Wake every stage that waits for a message so it can stop."""

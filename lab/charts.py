@@ -71,7 +71,7 @@ def boundary_chart(boundary_bytes: Sequence[dict], how: str, param_bytes: int, s
     """What crossed each cut between stages in one step (activations forward, gradients back),
     beside what data parallelism on K devices would all-reduce per device for the same model:
     every gradient, 2(K-1)/K times over in a ring."""
-    cuts = [f"stage {k} | stage {k + 1}" for k in range(len(boundary_bytes))]
+    cuts = [f"stage {b['stages'][0]} → stage {b['stages'][1]}" for b in boundary_bytes]
     figure = go.Figure()
     figure.add_trace(go.Bar(name=f"activations forward ({how})", x=cuts,
                             y=[b["activations"] / MIB for b in boundary_bytes], marker_color="#4C78A8"))

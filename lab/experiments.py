@@ -38,7 +38,8 @@ class RunConfig:
     stages: int = 4              # K
     micro_batches: int = 8       # M
     checkpoint: str = "except_last"
-    schedule: str = "gpipe"      # or "1f1b", the later one-forward-one-backward order
+    schedule: str = "gpipe"      # or "1f1b", "interleaved", "zb-h1": the orders that came after GPipe
+    virtual_stages: int = 1      # chunks of layers per stage (v): more than 1 only with "interleaved"
     balance: str = "uniform"     # uniform (by layer count), time or size
     seed: int = 0
     device: str = "cpu"          # "cpu": every stage on the CPU; "cuda": stages spread over the GPUs
@@ -129,6 +130,19 @@ def check(config: RunConfig) -> None:
         raise ValueError(f"checkpoint={config.checkpoint!r}: expected one of {CHECKPOINT_MODES}")
     if config.schedule not in SCHEDULES:
         raise ValueError(f"schedule={config.schedule!r}: expected one of {tuple(SCHEDULES)}")
+    v = config.virtual_stages
+    if config.schedule == "interleaved":
+        if v < 2:
+            raise ValueError(f"v={v}: the interleaved schedule gives each stage at least 2 chunks of layers")
+        if config.stages * v > config.layers:
+            raise ValueError(f"K={config.stages} stages x v={v} chunks = {config.stages * v} chunks but the "
+                             f"{config.model} has only {config.layers} layers: use fewer chunks or more blocks")
+        if config.micro_batches % config.stages:
+            raise ValueError(f"M={config.micro_batches}: the interleaved schedule needs M to be a multiple of "
+                             f"K={config.stages} (Megatron-LM's rule), for example "
+                             f"M={config.stages * -(-config.micro_batches // config.stages)}")
+    elif v != 1:
+        raise ValueError(f"v={v}: several chunks per stage apply to the interleaved schedule only")
     if config.balance not in BALANCES:
         raise ValueError(f"balance={config.balance!r}: expected one of {BALANCES}")
     if config.device not in ("cpu", "cuda"):
@@ -170,19 +184,22 @@ def micro_sample(inputs, config: RunConfig):
 
 
 def choose_balance(config: RunConfig, model: nn.Sequential, inputs) -> list[int]:
-    """Layers per stage: equal counts, or balanced by measured time or memory."""
+    """Layers per chunk (per stage, unless stages hold several chunks): equal counts, or balanced by
+    measured time or memory."""
+    chunks = config.stages * config.virtual_stages
     if config.balance == "uniform":
-        return even_balance(config.layers, config.stages)
+        return even_balance(config.layers, chunks)
     sample = micro_sample(inputs, config)
     if config.balance == "time":
-        return balance_by_time(config.stages, model, sample)
-    return balance_by_size(config.stages, model, sample)
+        return balance_by_time(chunks, model, sample)
+    return balance_by_size(chunks, model, sample)
 
 
 def pipe_options(config: RunConfig) -> dict:
     """How the lab pipelines a configuration: deferred batch norm, seeded randomness."""
     return dict(chunks=config.micro_batches, checkpoint=config.checkpoint, schedule=config.schedule,
-                seed=config.seed, deferred_batch_norm=True, threads_per_stage=config.threads_per_stage)
+                virtual_stages=config.virtual_stages, seed=config.seed, deferred_batch_norm=True,
+                threads_per_stage=config.threads_per_stage)
 
 
 def pipeline(config: RunConfig, model: nn.Sequential, balance: list[int]) -> GPipe:
@@ -262,9 +279,16 @@ def _boundary_traffic(config: RunConfig, trace: Trace, model: nn.Sequential, inp
     if trace.messages:
         return trace.boundary_bytes, "sent between processes"
     per_sample = boundary_bytes(model, micro_sample(inputs, config))
-    cuts = [sum(balance[:k + 1]) for k in range(len(balance) - 1)]
-    return ([{"activations": round(config.batch * per_sample[c]), "gradients": round(config.batch * per_sample[c])}
-             for c in cuts], "sizes of the tensors at each cut")
+    totals: dict[tuple[int, int], dict] = {}
+    for chunk in range(len(balance) - 1):
+        pair = (chunk % config.stages, (chunk + 1) % config.stages)
+        if pair[0] == pair[1]:
+            continue  # one stage holds both chunks: nothing crosses
+        size = round(config.batch * per_sample[sum(balance[:chunk + 1])])
+        entry = totals.setdefault(pair, {"stages": pair, "activations": 0, "gradients": 0})
+        entry["activations"] += size
+        entry["gradients"] += size
+    return [totals[pair] for pair in sorted(totals)], "sizes of the tensors at each cut"
 
 
 def _notes(config: RunConfig, inputs) -> list[str]:

@@ -166,6 +166,10 @@ def test_same_pipe_works_after_a_failure(batch):
     pipe = GPipe(model, 3, chunks=4)
     with pytest.raises(RuntimeError):
         pipe.step(x[:, :5], y, LOSS)  # wrong input width fails in stage 0
+    bad_loss = lambda out, target: 1 / 0  # noqa: E731
+    with pytest.raises(ZeroDivisionError):
+        pipe.step(x, y, bad_loss)  # fails in the last stage, after the others kept their graphs
+    assert all(stage.ledger.live == 0 for stage in pipe._chunks.values())  # the dropped graphs freed it all
     for p in model.parameters():
         p.grad = None
     loss = pipe.step(x, y, LOSS)
@@ -175,7 +179,7 @@ def test_same_pipe_works_after_a_failure(batch):
     assert loss.item() == pytest.approx(expected.item(), rel=1e-6)
     for a, b in zip(model.parameters(), reference.parameters()):
         assert torch.allclose(a.grad, b.grad, rtol=1e-5, atol=1e-6)
-    assert all(stage.ledger.live == 0 for stage in pipe._stages)
+    assert all(stage.ledger.live == 0 for stage in pipe._chunks.values())
 
 
 @pytest.mark.timeout(30)

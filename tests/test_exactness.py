@@ -293,3 +293,70 @@ def test_one_f_one_b_holds_fewer_activations(batch):
         pipe.step(x, y, LOSS)
         peaks[schedule] = pipe.trace.memory[-1].activation_peak_bytes
     assert peaks["1f1b"] < peaks["gpipe"] / 3  # the last stage holds 1 micro-batch instead of 8
+
+
+LATER = [("interleaved", 2), ("zb-h1", 1)]
+
+
+@pytest.mark.parametrize("schedule,virtual", LATER)
+def test_later_schedules_match_gpipe_float32_and_float64(batch, schedule, virtual):
+    x, y = batch
+    for dtype, tolerance in ((torch.float32, dict(rtol=1e-5, atol=1e-6)), (torch.float64, dict(rtol=0, atol=1e-12))):
+        make = lambda: mlp(dtype=dtype, dropout=0.2)  # noqa: E731
+        inputs = x.to(dtype)
+        reference, ref_losses, _ = pipelined_grads(make, inputs, y, 2, seed=3, checkpoint="never")
+        for checkpoint in ("never", "always", "except_last"):
+            got, losses, _ = pipelined_grads(make, inputs, y, 2, seed=3, checkpoint=checkpoint, schedule=schedule,
+                                             virtual_stages=virtual)
+            for a, b in zip(got, reference):
+                assert torch.allclose(a, b, **tolerance), (schedule, checkpoint, dtype)
+            assert losses[0].item() == pytest.approx(ref_losses[0].item(), rel=1e-6)
+
+
+@pytest.mark.parametrize("schedule,virtual", LATER)
+def test_later_schedules_are_bitwise_reproducible_across_runs_and_k(batch, schedule, virtual):
+    x, y = batch
+    make = lambda: mlp(dropout=0.3, batch_norm=True)  # noqa: E731
+    reference, _, _ = pipelined_grads(make, x, y, 1, seed=1, schedule=schedule, virtual_stages=virtual,
+                                      deferred_batch_norm=True)
+    again, _, _ = pipelined_grads(make, x, y, 1, seed=1, schedule=schedule, virtual_stages=virtual,
+                                  deferred_batch_norm=True)
+    assert_bitwise(again, reference)
+    for stages in (2, 4):
+        for checkpoint in ("never", "always"):
+            got, _, _ = pipelined_grads(make, x, y, stages, seed=1, schedule=schedule, virtual_stages=virtual,
+                                        checkpoint=checkpoint, deferred_batch_norm=True)
+            assert_bitwise(got, reference)
+
+
+def test_interleaved_places_chunks_round_robin_and_balances_them(batch):
+    x, y = batch
+    model = mlp(depth=4)  # 9 layers
+    pipe = GPipe(model, 2, chunks=4, schedule="interleaved", virtual_stages=3)
+    assert pipe.balance == [2, 2, 2, 1, 1, 1] and pipe.stages == 2
+    assert [len(p) for p in pipe.partitions] == pipe.balance  # the chunks, in model order
+    pipe.step(x, y, LOSS)
+    events = pipe.trace.events
+    assert {(e.stage, e.chunk) for e in events} == {(c % 2, c) for c in range(6)}
+    assert len(pipe.trace.memory) == 2
+    with pytest.raises(ValueError, match="needs chunks \\(M\\) to be a multiple of the 2 stages"):
+        GPipe(mlp(), 2, chunks=3, schedule="interleaved", virtual_stages=2)
+    with pytest.raises(ValueError, match="5 stages x virtual_stages=2 = 10 chunks but the model has only 9 layers"):
+        GPipe(mlp(), 5, chunks=5, schedule="interleaved", virtual_stages=2)
+    with pytest.raises(ValueError, match="with virtual_stages=2 it lists the K\\*v chunks, expected a multiple of 2"):
+        GPipe(mlp(), [3, 3, 3], chunks=2, schedule="interleaved", virtual_stages=2)
+    with pytest.raises(ValueError, match="virtual_stages=2: only schedule='interleaved'"):
+        GPipe(mlp(), 2, virtual_stages=2)
+
+
+def test_zero_bubble_runs_weight_tasks_and_holds_at_most_k_micro_batches(batch):
+    x, y = batch
+    peaks = {}
+    for schedule in ("gpipe", "1f1b", "zb-h1"):
+        pipe = GPipe(mlp(), 2, chunks=8, checkpoint="never", schedule=schedule)
+        pipe.step(x, y, LOSS)
+        peaks[schedule] = [m.activation_peak_bytes for m in pipe.trace.memory]
+        if schedule == "zb-h1":
+            assert sum(e.op == "W" for e in pipe.trace.events) == 2 * 8
+    assert peaks["zb-h1"][0] == peaks["1f1b"][0]  # stage 0 holds K=2 micro-batches in both
+    assert max(peaks["zb-h1"]) <= max(peaks["1f1b"]) < peaks["gpipe"][0]  # 1F1B's bound, not GPipe's M

@@ -141,7 +141,7 @@ def test_record_exports():
     chrome = json.loads(record.chrome_trace())
     assert len([e for e in chrome["traceEvents"] if e["ph"] == "X"]) == len(record.events)
     lines = record.events_csv().strip().splitlines()
-    assert lines[0] == "stage,micro,op,start,end,device" and len(lines) == len(record.events) + 1
+    assert lines[0] == "stage,micro,op,start,end,device,chunk" and len(lines) == len(record.events) + 1
 
 
 def test_one_f_one_b_runs_through_the_lab():
@@ -163,7 +163,8 @@ def test_processes_record_the_same_shape_plus_what_crossed_between_them():
     sent = [m for m in procs.messages if m["direction"] == "send"]
     assert sorted((m["kind"], m["micro"]) for m in sent) == sorted((k, m) for k in ("act", "grad") for m in range(4))
     # what the wire carried is exactly what the tensors at the cut weigh: 16 samples x 32 floats each way
-    assert procs.boundary_bytes == threads.boundary_bytes == [{"activations": 16 * 32 * 4, "gradients": 16 * 32 * 4}]
+    assert procs.boundary_bytes == threads.boundary_bytes == [
+        {"stages": (0, 1), "activations": 16 * 32 * 4, "gradients": 16 * 32 * 4}]
     assert procs.boundary_how == "sent between processes" and threads.boundary_how.startswith("sizes of the tensors")
     assert 0 < procs.communication_share < 1 and threads.communication_share == 0
     line = replay.of_record(procs, "measured")
@@ -186,7 +187,8 @@ def test_gantt_of_processes_has_a_message_row_per_stage_and_the_boundary_chart()
     names = {t.name: t for t in figure.data}
     assert list(names["sending"].y) == ["stage 0 · messages"] and list(names["receiving"].text) == ["act 0"]
     assert list(figure.layout.yaxis.categoryarray) == ["stage 1 · messages", "stage 1", "stage 0 · messages", "stage 0"]
-    chart = charts.boundary_chart([{"activations": 2 ** 20, "gradients": 2 ** 21}], "sent between processes",
+    chart = charts.boundary_chart([{"stages": (0, 1), "activations": 2 ** 20, "gradients": 2 ** 21}],
+                                  "sent between processes",
                                   param_bytes=3 * 2 ** 20, stages=2)
     bars = {t.name: list(t.y) for t in chart.data}
     assert bars["activations forward (sent between processes)"] == [1.0]

@@ -53,10 +53,10 @@ def threads_run(model, batch, steps, **options):
 @pytest.mark.parametrize("stages", [2, 3])
 def test_three_optimizer_steps_bitwise_equal_to_threads(pools, batch, stages):
     pool = pools(stages)
-    for schedule in ("gpipe", "1f1b"):
+    for schedule, virtual in (("gpipe", 1), ("1f1b", 1), ("zb-h1", 1), ("interleaved", 2)):
         for checkpoint in ("never", "always"):
-            options = dict(balance=stages, chunks=4, seed=7, schedule=schedule, checkpoint=checkpoint,
-                           deferred_batch_norm=True)
+            options = dict(balance=stages, chunks=2 * stages, seed=7, schedule=schedule, checkpoint=checkpoint,
+                           deferred_batch_norm=True, virtual_stages=virtual)
             pool.build("conftest:mlp", dict(dropout=0.3, batch_norm=True), optimizer=("torch.optim.SGD", {"lr": 0.1}),
                        **options)
             losses = [pool.step(*batch, LOSS) for _ in range(3)]
@@ -84,7 +84,7 @@ def test_uneven_micro_batches_tuples_and_forward_cross_processes(pools):
     sent = [m for m in trace.messages if m.direction == "send"]
     assert len(sent) == 8 and {m.kind for m in sent} == {"act", "grad"}
     # activations: features (float32) + mask (bool) per sample; gradients: features only
-    assert trace.boundary_bytes == [{"activations": 23 * (16 * 4 + 1), "gradients": 23 * 16 * 4}]
+    assert trace.boundary_bytes == [{"stages": (0, 1), "activations": 23 * (16 * 4 + 1), "gradients": 23 * 16 * 4}]
     assert len(trace.memory) == 2 and all(m.param_bytes > 0 for m in trace.memory)
     out = pool.forward(x)
     assert torch.allclose(out, reference(x), rtol=1e-5, atol=1e-6)
@@ -237,3 +237,14 @@ def test_nccl_stages_on_two_gpus_match_threads(tmp_path):
                                    170, tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     assert [r["bitwise"] for r in reports] == [True, True]
+
+
+@pytest.mark.timeout(120)
+def test_one_rank_with_several_chunks_hands_activations_to_itself(batch):
+    x, y = batch
+    with ProcessPool(1) as pool:
+        pool.build("conftest:mlp", {}, chunks=2, schedule="interleaved", virtual_stages=3)
+        loss = pool.step(x, y, LOSS)
+        assert {e.chunk for e in pool.trace.events} == {0, 1, 2} and not pool.trace.messages
+    reference = mlp()
+    assert loss.item() == pytest.approx(LOSS(reference(x), y).item(), rel=1e-6)

@@ -1,6 +1,8 @@
+"""Schedules as pure task lists: orders, counts, dependencies and no deadlock, for every schedule."""
 import pytest
 
-from engine.schedule import Task, checkpointed, forward_only, gpipe, timeline, upstream
+from engine.schedule import (SCHEDULES, Task, checkpointed, forward_only, gpipe, interleaved, one_f_one_b, owner,
+                             timeline, upstream, zb_h1)
 
 
 def ops(tasks):
@@ -10,8 +12,8 @@ def ops(tasks):
 def test_fill_drain_order_per_stage():
     plan = gpipe(3, 4, "never")
     assert len(plan) == 3
-    for tasks in plan:
-        assert ops(tasks) == "F0 F1 F2 F3 B3 B2 B1 B0"
+    for k, tasks in enumerate(plan):
+        assert ops(tasks) == "F0 F1 F2 F3 B3 B2 B1 B0" and {t.chunk for t in tasks} == {k}
 
 
 def test_recompute_comes_right_before_its_backward():
@@ -29,14 +31,17 @@ def test_checkpoint_modes():
 
 def test_forward_only():
     assert [ops(t) for t in forward_only(2, 2)] == ["F0 F1", "F0 F1"]
+    assert [[(t.micro, t.chunk) for t in tasks] for tasks in forward_only(2, 2, virtual=2)] == \
+        [[(0, 0), (0, 2), (1, 0), (1, 2)], [(0, 1), (0, 3), (1, 1), (1, 3)]]
 
 
-def test_upstream_dependencies():
-    assert upstream(0, Task("F", 2), 3) is None
-    assert upstream(1, Task("F", 2), 3) == (0, Task("F", 2))
-    assert upstream(2, Task("B", 0), 3) is None
-    assert upstream(1, Task("B", 0), 3) == (2, Task("B", 0))
-    assert upstream(1, Task("R", 0), 3) is None
+def test_upstream_dependencies_cross_chunks():
+    assert upstream(Task("F", 2, 0), 3) is None
+    assert upstream(Task("F", 2, 1), 3) == Task("F", 2, 0)
+    assert upstream(Task("B", 0, 2), 3) is None
+    assert upstream(Task("B", 0, 1), 3) == Task("B", 0, 2)
+    assert upstream(Task("R", 0, 1), 3) is None and upstream(Task("W", 0, 1), 3) is None
+    assert [owner(c, 4) for c in range(8)] == [0, 1, 2, 3, 0, 1, 2, 3]  # chunks dealt round-robin
 
 
 @pytest.mark.parametrize("stages,micro", [(1, 1), (2, 1), (4, 1), (2, 8), (4, 8), (8, 32)])
@@ -51,32 +56,113 @@ def test_unit_costs_take_k_plus_m_minus_1_cycles_each_way(stages, micro):
     assert 1 - busy / (stages * total) == pytest.approx((stages - 1) / (micro + stages - 1))
 
 
-def test_timeline_respects_dependencies():
-    plan = gpipe(3, 2, "always")
-    times = timeline(plan, lambda stage, task: {"F": 1.0, "R": 1.0, "B": 2.0}[task.op])
-    where = {(k, t): times[k][i] for k, tasks in enumerate(plan) for i, t in enumerate(tasks)}
-    for (k, task), (start, _) in where.items():
-        dep = upstream(k, task, 3)
-        if dep is not None:
-            assert start >= where[dep][1]
-
-
 def test_bad_sizes():
     with pytest.raises(ValueError):
         gpipe(0, 4)
+    with pytest.raises(ValueError, match="needs M \\(micro-batches\\) to be a multiple of K=4.*got M=6: use M=8"):
+        interleaved(4, 6, "never", 2)
+    with pytest.raises(ValueError, match="at least 2 chunks per stage"):
+        interleaved(4, 8, "never", 1)
+    with pytest.raises(ValueError, match="only schedule='interleaved' places several chunks"):
+        one_f_one_b(2, 4, "never", 2)
 
 
 def test_one_f_one_b_orders_and_holds_few_micro_batches():
-    from engine.schedule import one_f_one_b
     plan = one_f_one_b(3, 5, "never")
     assert ops(plan[0]) == "F0 F1 F2 B0 F3 B1 F4 B2 B3 B4"
     assert ops(plan[2]) == "F0 B0 F1 B1 F2 B2 F3 B3 F4 B4"
-    for k, tasks in enumerate(plan):
-        in_flight, peak = 0, 0
-        for task in tasks:
-            in_flight += 1 if task.op == "F" else -1 if task.op == "B" else 0
-            peak = max(peak, in_flight)
-        assert peak == min(3 - k, 5)  # GPipe would hold all 5
-    times = timeline(plan, lambda stage, task: 1.0)  # raises if the order could deadlock
+    assert [in_flight(tasks) for tasks in plan] == [3, 2, 1]  # K-k; GPipe would hold all 5
+    times = timeline(plan, lambda stage, task: 1.0)
     assert max(end for stage in times for _, end in stage) == 2 * (3 + 5 - 1)
     assert ops(one_f_one_b(2, 3, "always")[1]) == "F0 R0 B0 F1 R1 B1 F2 R2 B2"
+
+
+def in_flight(tasks):
+    """Most micro-batches a stage holds at once: forward done, last backward task (B, or W) not yet."""
+    done_with = "W" if any(t.op == "W" for t in tasks) else "B"
+    held, peak = set(), 0
+    for task in tasks:
+        if task.op == "F":
+            held.add((task.micro, task.chunk))
+        elif task.op == done_with:
+            held.discard((task.micro, task.chunk))
+        peak = max(peak, len(held))
+    return peak
+
+
+def test_zb_h1_defers_w_to_the_drain_and_keeps_1f1b_memory_bound():
+    plan = zb_h1(4, 8, "never")
+    assert ops(plan[3]) == "F0 B0 F1 B1 F2 B2 F3 B3 W0 F4 B4 W1 F5 B5 W2 F6 B6 W3 F7 B7 W4 W5 W6 W7"
+    assert ops(plan[0]) == "F0 F1 F2 F3 B0 W0 F4 B1 W1 F5 B2 W2 F6 B3 W3 F7 B4 W4 B5 W5 B6 W6 B7 W7"
+    assert max(in_flight(tasks) for tasks in plan) == 4  # the bound of 1F1B's first stage: K
+    assert ops(zb_h1(2, 2, "always")[0]) == "F0 F1 R0 B0 W0 R1 B1 W1"
+
+
+def test_interleaved_follows_megatrons_groups_of_k():
+    plan = interleaved(2, 4, "never", 2)
+    assert [(t.op, t.micro, t.chunk) for t in plan[0][:6]] == [
+        ("F", 0, 0), ("F", 1, 0), ("F", 0, 2), ("F", 1, 2), ("F", 2, 0), ("B", 0, 2)]
+    assert {t.chunk for t in plan[1]} == {1, 3}  # stage 1 holds chunks 1 and 1 + K
+
+
+def unit_bubble(plan, costs):
+    times = timeline(plan, lambda stage, task: costs[task.op])
+    makespan = max(end for stage in times for _, end in stage)
+    busy = sum(end - start for stage in times for start, end in stage)
+    return 1 - busy / (len(plan) * makespan), makespan
+
+
+@pytest.mark.parametrize("stages,micro", [(2, 8), (4, 8), (4, 16), (8, 32)])
+def test_unit_cost_bubbles_of_the_later_schedules(stages, micro):
+    classic = unit_bubble(gpipe(stages, micro, "never"), {"F": 1, "B": 2})
+    assert classic[0] == pytest.approx((stages - 1) / (micro + stages - 1))
+    assert unit_bubble(one_f_one_b(stages, micro, "never"), {"F": 1, "B": 2}) == pytest.approx(classic)
+    for v in (2, 4):  # chunks of 1/v the work: the fill and drain shrink v-fold
+        bubble, _ = unit_bubble(interleaved(stages, micro, "never", v), {"F": 1 / v, "B": 2 / v})
+        assert bubble == pytest.approx((stages - 1) / (v * micro + stages - 1))
+    zero_bubble, _ = unit_bubble(zb_h1(stages, micro, "never"), {"F": 1, "B": 1, "W": 1})
+    assert zero_bubble == pytest.approx((stages - 1) / (3 * micro + stages - 1))  # a third of 1F1B's idle time
+
+
+def counts_and_dependencies(plan, stages, micro, virtual, checkpoint):
+    """Every (micro-batch, chunk) gets exactly one F, R when checkpointed, one B and at most one W,
+    on the stage that owns the chunk, in the order F < R < B < W; the order cannot deadlock."""
+    chunks = stages * virtual
+    seen = {}
+    for k, tasks in enumerate(plan):
+        for i, task in enumerate(tasks):
+            assert owner(task.chunk, stages) == k
+            assert task not in seen, f"{task} twice"
+            seen[task] = i
+    has_w = any(t.op == "W" for t in seen)
+    for m in range(micro):
+        for c in range(chunks):
+            order = [seen.get(Task(op, m, c)) for op in "FRBW"]
+            assert order[0] is not None and order[2] is not None
+            assert (order[1] is not None) == checkpointed(m, micro, checkpoint)
+            assert (order[3] is not None) == has_w
+            present = [i for i in order if i is not None]
+            assert present == sorted(present)
+    assert len(seen) == micro * chunks * (2 + has_w) + sum(checkpointed(m, micro, checkpoint) for m in range(micro)) * chunks
+    timeline(plan, lambda stage, task: 1.0)  # raises if some task waits for one that can never run
+
+
+@pytest.mark.parametrize("name", ["gpipe", "1f1b", "zb-h1", "interleaved"])
+def test_every_schedule_is_complete_ordered_and_deadlock_free(name):
+    for stages in range(1, 9):
+        for micro in range(1, 33):
+            for checkpoint in ("never", "except_last", "always"):
+                if name == "interleaved":
+                    if micro % stages:
+                        continue
+                    for virtual in (2, 3):
+                        counts_and_dependencies(SCHEDULES[name](stages, micro, checkpoint, virtual), stages, micro,
+                                                virtual, checkpoint)
+                else:
+                    counts_and_dependencies(SCHEDULES[name](stages, micro, checkpoint), stages, micro, 1, checkpoint)
+
+
+def test_schedules_are_pure_functions():
+    for name, make in SCHEDULES.items():
+        virtual = 2 if name == "interleaved" else 1
+        assert make(4, 8, "always", virtual) == make(4, 8, "always", virtual)

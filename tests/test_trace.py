@@ -55,9 +55,9 @@ def test_exports(batch):
     pipe = GPipe(mlp(), 2, chunks=2, checkpoint="always")
     pipe.step(x, y, LOSS)
     records = pipe.trace.to_records()
-    assert len(records) == 2 * 6 and set(records[0]) == {"stage", "micro", "op", "start", "end", "device"}
+    assert len(records) == 2 * 6 and set(records[0]) == {"stage", "micro", "op", "start", "end", "device", "chunk"}
     frame = pipe.trace.to_dataframe()
-    assert list(frame.columns) == ["stage", "micro", "op", "start", "end", "device", "duration"]
+    assert list(frame.columns) == ["stage", "micro", "op", "start", "end", "device", "chunk", "duration"]
     assert sorted(frame["op"].value_counts().to_dict().items()) == [("B", 4), ("F", 4), ("R", 4)]
     chrome = json.loads(pipe.trace.to_chrome_trace())
     complete = [e for e in chrome["traceEvents"] if e["ph"] == "X"]
@@ -124,7 +124,7 @@ def test_nothing_stays_held_after_a_step(batch):
     x, y = batch
     pipe = GPipe(mlp(), 3, chunks=4, checkpoint="except_last")
     pipe.step(x, y, LOSS)
-    assert all(stage.ledger.live == 0 for stage in pipe._stages)
+    assert all(stage.ledger.live == 0 for stage in pipe._chunks.values())
 
 
 def test_serial_step_times_each_task_alone_and_gives_the_same_gradients(batch):
