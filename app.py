@@ -9,7 +9,7 @@ import time
 
 import streamlit as st
 
-from lab import charts, replay, speedup, theory
+from lab import charts, replay, schedules, speedup, theory
 from lab.experiments import APP_DEFAULT, BALANCES, RunConfig, RunRecord, check, run
 from lab.models import ZOO
 from lab.processes import StageProcessError
@@ -48,6 +48,13 @@ def speedup_cells(config: RunConfig) -> list:
 
 
 @st.cache_data(max_entries=20, show_spinner=False)
+def schedule_runs(config: RunConfig) -> tuple[list, list[str]]:
+    """The four schedules at these settings (and why any was left out); cached."""
+    skipped: list[str] = []
+    return list(schedules.compare(config, virtual=max(2, config.virtual_stages), skipped=skipped)), skipped
+
+
+@st.cache_data(max_entries=20, show_spinner=False)
 def bubble_points(config: RunConfig) -> list:
     return speedup.bubble_points(config)
 
@@ -65,6 +72,10 @@ def controls() -> RunConfig:
     stages = side.slider("stages K", 1, 8, APP_DEFAULT.stages, key="stages")
     micro = side.slider("micro-batches M", 1, 64, APP_DEFAULT.micro_batches, key="micro")
     recompute = RECOMPUTE[side.radio("re-materialization (recompute)", list(RECOMPUTE), key="recompute")]
+    schedule = side.selectbox("schedule", schedules.SCHEDULE_ORDER, key="schedule",
+                              format_func={"gpipe": "GPipe (fill, drain)", "1f1b": "1F1B",
+                                           "interleaved": "interleaved 1F1B", "zb-h1": "zero bubble (ZB-H1)"}.get)
+    virtual = side.slider("chunks per stage v", 2, 4, 2, key="virtual") if schedule == "interleaved" else 1
     balance = side.radio("balance", BALANCES, key="balance", format_func={"uniform": "equal layer counts", "time": "by measured time",
                                                            "size": "by memory"}.get)
     transport = side.radio("stages run as", list(TRANSPORTS), index=list(TRANSPORTS).index(APP_DEFAULT.transport),
@@ -74,7 +85,8 @@ def controls() -> RunConfig:
                                 "overlap fully but pay for every message between stages.")
     seed = int(side.number_input("seed", 0, 10_000, 0, key="seed"))
     return RunConfig(model=model, blocks=blocks, width=width, batch=batch, stages=stages, micro_batches=micro,
-                     checkpoint=recompute, balance=balance, seed=seed, transport=transport)
+                     checkpoint=recompute, balance=balance, seed=seed, transport=transport, schedule=schedule,
+                     virtual_stages=virtual)
 
 
 def live_run(config: RunConfig) -> RunRecord:
@@ -136,8 +148,9 @@ def show_pipeline(record: RunRecord, config: RunConfig) -> None:
 
 
 def baseline(config: RunConfig) -> RunConfig:
-    """K=1 at the same M: one stage needs no transport, so both transports compare with the same run."""
-    return config.but(stages=1, balance="uniform", transport="threads")
+    """K=1 at the same M: one stage needs no transport (nor a schedule), so every setting compares
+    with the same run."""
+    return config.but(stages=1, balance="uniform", transport="threads", schedule="gpipe", virtual_stages=1)
 
 
 def show_numbers(record: RunRecord, config: RunConfig) -> None:
@@ -233,13 +246,40 @@ def show_speedup(config: RunConfig) -> None:
         right.dataframe(table, width="stretch", hide_index=True)
 
 
+def show_schedules(config: RunConfig) -> None:
+    st.subheader("6 · The schedules that came after GPipe")
+    st.markdown(
+        "The same step in four task orders, on one time axis: **GPipe** (all forwards, then all backwards), "
+        "**1F1B** (a backward as soon as possible: same time, fewer micro-batches held), **interleaved 1F1B** "
+        "(each stage holds v chunks of layers, so the fill and drain pass through smaller pieces) and **zero "
+        "bubble ZB-H1** (each backward split into B, the gradient sent upstream, and W, the weights' gradient, "
+        "deferred into what would be the drain).")
+    if not st.button("compare the four schedules at these settings", key="compare_schedules"):
+        return
+    runs, skipped = schedule_runs(config)
+    for reason in skipped:
+        st.warning(f"Left out: {reason}")
+    if not runs:
+        return
+    st.plotly_chart(charts.stacked_gantt([r.timeline for r in runs],
+                                         [f"{r.schedule} ({r.how}): bubble {r.timeline.bubble:.0%}" for r in runs]),
+                    key="schedules_gantt")
+    st.dataframe([{"schedule": r.schedule + (f", v={r.virtual}" if r.virtual > 1 else ""), "how": r.how,
+                   "bubble": f"{r.timeline.bubble:.0%}", "bubble, theory": f"{r.theory_bubble:.0%}",
+                   "makespan (ms)": round(r.timeline.makespan * 1e3, 1),
+                   "activation peak per stage (KiB)": ", ".join(f"{p / 1024:.0f}" for p in r.peaks),
+                   "micro-batches held, theory": ", ".join(f"{n:g}" for n in r.theory_in_flight())}
+                  for r in runs], hide_index=True)
+
+
 def show_compare(record: RunRecord, config: RunConfig) -> None:
-    st.subheader("6 · Compare runs")
+    st.subheader("7 · Compare runs")
     pinned = st.session_state.setdefault("pinned", [])
     left, right = st.columns([1, 4])
     if left.button("pin this run", key="pin"):
         pinned.append((f"K={config.stages}, M={config.micro_batches}, {config.checkpoint}, {config.model}, "
-                       f"{config.transport}", record, side_run(baseline(config), warmup=1).makespan))
+                       f"{config.transport}" + ("" if config.schedule == "gpipe" else f", {config.schedule}"),
+                       record, side_run(baseline(config), warmup=1).makespan))
     if pinned and left.button("clear pins", key="clear_pins"):
         pinned.clear()
     right.caption("Pin runs with different settings (say M = 1 and M = 16) to see them side by side.")
@@ -253,7 +293,7 @@ def show_compare(record: RunRecord, config: RunConfig) -> None:
 
 
 def show_downloads(record: RunRecord) -> None:
-    st.subheader("7 · Take the trace with you")
+    st.subheader("8 · Take the trace with you")
     left, right = st.columns(2)
     left.download_button("trace as Chrome-trace JSON (opens in ui.perfetto.dev)", record.chrome_trace(),
                          file_name="gpipe-trace.json", mime="application/json")
@@ -279,6 +319,7 @@ def main() -> None:
         show_memory(record, config)
         show_bubble(record, config)
         show_speedup(config)
+        show_schedules(config)
         show_compare(record, config)
         show_downloads(record)
     except StageProcessError as error:

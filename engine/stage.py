@@ -7,15 +7,19 @@ the micro-batch is checkpointed, only its input (to recompute the graph just bef
 The backward is run explicitly by the stage's own worker, from the gradient the next chunk sent
 back, so stages run their backwards in parallel.
 
-Split backward (zero-bubble schedules): B computes, in one pass through the chunk's graph, the
-gradient of its input (sent upstream at once) and of every layer's output, keeping the graph; W
-then computes each layer's weight gradients from its output's gradient, so the only work done
-twice is the backward inside a layer (none for a Linear, its activation for a Linear+ReLU block).
+Split backward (zero-bubble schedules): while the forward runs, the output of every module that
+owns parameters (a Linear, a LayerNorm, an Embedding...) is noted. B computes, in one pass through
+the chunk's graph, the gradient of the chunk's input (sent upstream at once) and of each of those
+outputs, keeping the graph; W then computes each module's weight gradients from its output's
+gradient. Nothing is computed twice, but the graph and those gradients are held from B to W.
 """
 from __future__ import annotations
 
+import threading
+import weakref
 from contextlib import nullcontext
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Callable, Optional
 
 import torch
@@ -74,7 +78,11 @@ class Stage:
         bn_layers = batch_norm_layers(partition)
         self.batch_norm = StageBatchNorm(bn_layers, deferred_batch_norm) if bn_layers else None
         self._has_batch_norm = [bool(batch_norm_layers(layer)) for layer in partition]
-        self._parameters = [list(layer.parameters()) for layer in partition]
+        self._capture: Optional[tuple[int, list]] = None  # (thread, list of (module, output)) while noting
+        me = weakref.ref(self)
+        handles = [m.register_forward_hook(partial(_note_output, me)) for m in partition.modules()
+                   if any(p is not None for p in m._parameters.values())]
+        weakref.finalize(self, _remove_hooks, handles)
         self.ledger = ActivationLedger()
         self.randomness = StageRandomness(list(zip(self.layer_ids, partition)))
         self.state = StageState()
@@ -131,12 +139,12 @@ class Stage:
         if not self.is_first:
             x = as_leaves(x)
         keep_graph = not plan.checkpointed[micro]
-        layer_outputs = [] if keep_graph and plan.split_backward else None
+        noted = [] if keep_graph and plan.split_backward else None
         with torch.set_grad_enabled(keep_graph):
-            out = self._layers(x, micro, layer_outputs)
+            out = self._layers(x, micro, noted)
             loss = self._loss(out, micro) if self.is_last else None
         if keep_graph:
-            state.graphs[micro] = (x, loss if self.is_last else out, layer_outputs)
+            state.graphs[micro] = (x, loss if self.is_last else out, noted)
         else:
             held = self.ledger.hold_all(tensors_of(x)) if plan.record_memory else []
             state.kept_inputs[micro] = (x, held)
@@ -148,16 +156,16 @@ class Stage:
     def _recompute(self, micro: int, received) -> None:
         x, held = self.state.kept_inputs.pop(micro)
         recomputing = self.batch_norm.recomputing() if self.batch_norm is not None else nullcontext()
-        layer_outputs = [] if self.plan.split_backward else None
+        noted = [] if self.plan.split_backward else None
         with torch.enable_grad(), recomputing:
-            out = self._layers(x, micro, layer_outputs)
+            out = self._layers(x, micro, noted)
             if self.is_last:
                 out = self._loss(out, micro)
-        self.state.graphs[micro] = (x, out, layer_outputs)
+        self.state.graphs[micro] = (x, out, noted)
         del held  # the recomputed graph now holds what it needs of the input
 
     def _backward(self, micro: int, received):
-        x, out, layer_outputs = self.state.graphs.pop(micro)
+        x, out, noted = self.state.graphs.pop(micro)
         if self.is_last:
             roots = [out]
             grads = [torch.tensor(self.plan.weights[micro], dtype=out.dtype, device=out.device)]
@@ -167,8 +175,8 @@ class Stage:
             roots, grads = [o for o, _ in pairs], [g for _, g in pairs]
         del out
         inputs = [] if self.is_first else [t for t in tensors_of(x) if t.requires_grad]
-        if layer_outputs is not None:
-            input_grads = self._backward_inputs(micro, roots, grads, inputs, layer_outputs)
+        if noted is not None:
+            input_grads = self._backward_inputs(micro, roots, grads, inputs, noted)
         else:
             if roots:
                 torch.autograd.backward(roots, grads)
@@ -177,38 +185,37 @@ class Stage:
             return None
         return self._message("B", micro, rebuild(x, tuple(input_grads.get(id(t)) for t in tensors_of(x))))
 
-    def _backward_inputs(self, micro: int, roots, grads, inputs, layer_outputs) -> dict:
-        """B of a split backward: one pass for the gradients of the chunk's input and of each
-        layer's output (the graph kept for W); returns {id(input tensor): its gradient}. The work
-        W will do, per layer with parameters, is filed as (output tensors, their gradients)."""
-        last = len(layer_outputs) - 1
-        inner = [t for j, h in enumerate(layer_outputs) if j < last or self.is_last
-                 for t in tensors_of(h) if t.requires_grad]
-        found = dict(zip(map(id, inputs + inner),
-                         torch.autograd.grad(roots, inputs + inner, grads, retain_graph=True, allow_unused=True)
-                         if roots and inputs + inner else [None] * len(inputs + inner)))
-        if not self.is_last:  # the chunk's own output: its gradient came from the next chunk
-            found.update({id(r): g for r, g in zip(roots, grads)})
+    def _backward_inputs(self, micro: int, roots, grads, inputs, noted) -> dict:
+        """B of a split backward: one pass for the gradients of the chunk's input and of every noted
+        module output (the graph kept for W); returns {id(input tensor): its gradient}. The work W
+        will do, per module call, is filed as (its output tensors, their gradients, its parameters)."""
+        outputs = {id(t): t for _, out in noted for t in tensors_of(out) if t.requires_grad}
+        wanted = inputs + [t for key, t in outputs.items() if key not in {id(i) for i in inputs}]
+        gradients = torch.autograd.grad(roots, wanted, grads, retain_graph=True, allow_unused=True) \
+            if roots and wanted else [None] * len(wanted)
+        found = dict(zip(map(id, wanted), gradients))
         work = []
-        for h, parameters in zip(layer_outputs, self._parameters):
-            pairs = [(t, found.get(id(t))) for t in tensors_of(h)]
+        for module, out in noted:
+            pairs = [(t, found.get(id(t))) for t in tensors_of(out)]
             pairs = [(t, g) for t, g in pairs if g is not None]
-            if parameters and pairs:
+            if pairs:
+                parameters = [p for p in module.parameters(recurse=False) if p.requires_grad]
                 work.append(([t for t, _ in pairs], [g for _, g in pairs], parameters))
         self.state.weight_work[micro] = work
         return {id(t): found[id(t)] for t in inputs}
 
     def _weights(self, micro: int, received) -> None:
-        """W of a split backward: each layer's weight gradients, from its output's gradient."""
+        """W of a split backward: each module's weight gradients, from its output's gradient."""
         for roots, grads, parameters in self.state.weight_work.pop(micro):
-            torch.autograd.backward(roots, grads, inputs=parameters)
+            if parameters:
+                torch.autograd.backward(roots, grads, inputs=parameters)
 
     # --- helpers ---------------------------------------------------------------------------
 
-    def _layers(self, x: Value, micro: int, layer_outputs: Optional[list] = None) -> Value:
+    def _layers(self, x: Value, micro: int, noted: Optional[list] = None) -> Value:
         """Run this chunk's layers on one micro-batch, under its random streams, batch norm control
         (only around the layers that need them: each costs Python calls per op) and ledger; append
-        each layer's output to `layer_outputs` if given (a split backward needs them)."""
+        (module, output) of every parameter-owning module to `noted` if given (for a split backward)."""
         if self.batch_norm is not None:
             self.batch_norm.micro = micro
         counting = self.plan.record_memory and torch.is_grad_enabled()
@@ -217,12 +224,14 @@ class Stage:
             for layer_id, layer, has_bn in zip(self.layer_ids, self.partition, self._has_batch_norm):
                 with self.batch_norm if has_bn else nullcontext():
                     x = self.randomness.run(layer_id, layer, x, micro)
-                if layer_outputs is not None:
-                    layer_outputs.append(x)
             return x
 
-        with self.ledger.saving() if counting else nullcontext(), self.partition.running(each_layer) as partition:
-            return partition(x)  # through nn.Module.__call__, so hooks on the partition run
+        self._capture = None if noted is None else (threading.get_ident(), noted)
+        try:
+            with self.ledger.saving() if counting else nullcontext(), self.partition.running(each_layer) as partition:
+                return partition(x)  # through nn.Module.__call__, so hooks on the partition run
+        finally:
+            self._capture = None
 
     def _loss(self, output: Value, micro: int) -> torch.Tensor:
         target = self.device.to_here(self.plan.targets[micro])
@@ -230,3 +239,16 @@ class Stage:
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             raise TypeError(f"loss_fn must return a scalar tensor (mean over the micro-batch), got {loss!r}")
         return loss.reshape(())
+
+
+def _note_output(stage: weakref.ref, module: nn.Module, args, output) -> None:
+    """Forward hook of a parameter-owning module: note its output while its chunk's worker runs a
+    forward for a split backward (and never for anyone else's calls of the module)."""
+    owner = stage()
+    if owner is not None and owner._capture is not None and owner._capture[0] == threading.get_ident():
+        owner._capture[1].append((module, output))
+
+
+def _remove_hooks(handles) -> None:
+    for handle in handles:
+        handle.remove()

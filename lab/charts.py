@@ -6,11 +6,13 @@ from typing import Iterable, Optional, Sequence
 
 import pandas as pd
 import plotly.graph_objects as go
+from plotly.subplots import make_subplots
 
 from . import theory
 from .replay import Timeline
 
-OPS = {"F": ("forward", "#4C78A8"), "R": ("recompute", "#F58518"), "B": ("backward", "#54A24B")}
+OPS = {"F": ("forward", "#4C78A8"), "R": ("recompute", "#F58518"), "B": ("backward", "#54A24B"),
+       "W": ("weight gradient", "#72B7B2")}
 MIB = 2 ** 20
 
 
@@ -26,13 +28,14 @@ def message_row(stage: int) -> str:
 
 
 def gantt(timeline: Timeline, title: Optional[str] = None, height: Optional[int] = None) -> go.Figure:
-    """Per-stage Gantt chart: one horizontal-bar trace per op (forward, recompute, backward), each
-    bar labelled with its micro-batch; empty stretches are the idle time (the bubble). When the
-    stages were processes, a row under each stage shows its thread sending and reading messages
-    ("act 3" forward, "grad 3" back), apart from the tasks."""
+    """Per-stage Gantt chart: one horizontal-bar trace per op (forward, recompute, backward, weight
+    gradient), each bar labelled with its micro-batch (and "@chunk" when stages hold several chunks);
+    empty stretches are the idle time (the bubble). When the stages were processes, a row under
+    each stage shows its thread sending and reading messages ("act 3" forward, "grad 3" back)."""
     figure = go.Figure()
     scale = 1000.0 if timeline.unit == "s" else 1.0
     unit = "ms" if timeline.unit == "s" else timeline.unit
+    chunked = any(b.chunk != b.stage for b in timeline.bars)
     for op, (name, color) in OPS.items():
         bars = [b for b in timeline.bars if b.op == op]
         if not bars:
@@ -40,10 +43,11 @@ def gantt(timeline: Timeline, title: Optional[str] = None, height: Optional[int]
         figure.add_trace(go.Bar(
             name=name, orientation="h", marker_color=color, marker_line_width=0.5, marker_line_color="white",
             y=[f"stage {b.stage}" for b in bars], base=[b.start * scale for b in bars],
-            x=[(b.end - b.start) * scale for b in bars], text=[str(b.micro) for b in bars],
-            customdata=[b.micro for b in bars], textposition="inside", insidetextanchor="middle",
-            hovertemplate=f"{name} of micro-batch %{{customdata}}<br>%{{base:.2f}} to %{{x:.2f}} {unit} long"
-                          "<extra>%{y}</extra>"))
+            x=[(b.end - b.start) * scale for b in bars],
+            text=[f"{b.micro}@{b.chunk}" if chunked else str(b.micro) for b in bars],
+            customdata=[[b.micro, b.chunk] for b in bars], textposition="inside", insidetextanchor="middle",
+            hovertemplate=f"{name} of micro-batch %{{customdata[0]}}, chunk %{{customdata[1]}}<br>"
+                          f"%{{base:.2f}}, %{{x:.2f}} {unit} long<extra>%{{y}}</extra>"))
     rows = stage_names(timeline.stages)
     for direction, (name, color) in MESSAGES.items():
         sent = [m for m in timeline.messages if m.direction == direction]
@@ -64,6 +68,27 @@ def gantt(timeline: Timeline, title: Optional[str] = None, height: Optional[int]
         title=title or default_title, barmode="overlay", bargap=0.25, legend_title_text="task",
         xaxis_title=f"time ({unit})", height=height or 120 + 40 * len(rows),
         yaxis=dict(categoryorder="array", categoryarray=rows[::-1]), margin=dict(l=10, r=10, t=50, b=40))
+    return figure
+
+
+def stacked_gantt(timelines: Sequence[Timeline], titles: Sequence[str]) -> go.Figure:
+    """Several Gantt charts, one under the other on one shared time axis (same scale and units),
+    so that schedules of the same step compare at a glance; one legend for all."""
+    figure = make_subplots(rows=len(timelines), cols=1, shared_xaxes=True, subplot_titles=list(titles),
+                           vertical_spacing=0.06)
+    shown: set[str] = set()
+    for row, line in enumerate(timelines, start=1):
+        single = gantt(line)
+        for trace in single.data:
+            trace.legendgroup, trace.showlegend = trace.name, trace.name not in shown
+            shown.add(trace.name)
+            figure.add_trace(trace, row=row, col=1)
+        figure.update_yaxes(categoryorder="array", categoryarray=single.layout.yaxis.categoryarray, row=row, col=1)
+    unit = "ms" if timelines and timelines[0].unit == "s" else (timelines[0].unit if timelines else "")
+    figure.update_layout(barmode="overlay", bargap=0.25, legend_title_text="task",
+                         height=80 + sum(60 + 34 * line.stages for line in timelines),
+                         margin=dict(l=10, r=10, t=50, b=40))
+    figure.update_xaxes(title_text=f"time ({unit})", row=len(timelines), col=1)
     return figure
 
 

@@ -66,7 +66,7 @@ class RunRecord:
     """What one run measured, as plain data."""
 
     config: dict
-    balance: list[int]
+    balance: list[int]               # layers per chunk (per stage, unless stages hold several chunks)
     kind: str                        # "measured" (threads) or "measured alone" (serial step)
     events: list[dict]               # stage, micro, op, start, end, device
     memory: list[dict]               # per stage: bytes of params, grads, activation peak, prediction
@@ -95,7 +95,7 @@ class RunRecord:
 
     @property
     def stages(self) -> int:
-        return len(self.balance)
+        return self.config["stages"]
 
     @property
     def micro_batches(self) -> int:
@@ -312,7 +312,7 @@ def solo_events(pipe: GPipe, inputs, targets, loss_fn, repeats: int = 2) -> list
     for _ in range(repeats):
         pipe.step(inputs, targets, loss_fn, serial=True)
         for event in pipe.trace.to_records():
-            key = (event["stage"], event["op"], event["micro"])
+            key = (event["chunk"], event["op"], event["micro"])
             if key not in best or event["end"] - event["start"] < best[key]["end"] - best[key]["start"]:
                 best[key] = event
     return sorted(best.values(), key=lambda e: e["start"])

@@ -15,7 +15,8 @@ from typing import Optional
 from engine.schedule import SCHEDULES, check_schedule, timeline
 from engine.trace import Event, Message, Trace
 
-THEORY_COSTS = {"F": 1.0, "B": 2.0, "R": 1.0}
+from . import theory as theory_model
+
 
 
 @dataclass(frozen=True)
@@ -60,52 +61,58 @@ def _timeline(label: str, stages: int, events: list[Event], unit: str = "s", mes
 def measured(events: list[dict], stages: int, label: str = "measured", messages: list[dict] = ()) -> Timeline:
     """The events of a run as a timeline (seconds from the step's start), with the messages
     between stage processes if there were any."""
-    return _timeline(label, stages, [Event(e["stage"], e["micro"], e["op"], e["start"], e["end"], e.get("device", ""))
-                                     for e in events], messages=[Message(**m) for m in messages])
+    return _timeline(label, stages, [Event(e["stage"], e["micro"], e["op"], e["start"], e["end"], e.get("device", ""),
+                                           e.get("chunk", e["stage"])) for e in events],
+                     messages=[Message(**m) for m in messages])
 
 
 def ideal_replay(events: list[dict], stages: int, micro_batches: int, checkpoint: str,
-                 label: str = "ideal replay", schedule: str = "gpipe") -> Timeline:
+                 label: str = "ideal replay", schedule: str = "gpipe", virtual: int = 1) -> Timeline:
     """Measured task durations replayed on K independent devices along the schedule."""
-    durations = {(e["stage"], e["op"], e["micro"]): e["end"] - e["start"] for e in events}
-    return _laid_out(stages, micro_batches, checkpoint, lambda k, task: durations[(k, task.op, task.micro)],
-                     label, "s", schedule)
+    durations = {(e.get("chunk", e["stage"]), e["op"], e["micro"]): e["end"] - e["start"] for e in events}
+    return _laid_out(stages, micro_batches, checkpoint, lambda k, task: durations[(task.chunk, task.op, task.micro)],
+                     label, "s", schedule, virtual)
 
 
 def theory(stages: int, micro_batches: int, checkpoint: str = "never", costs: Optional[dict] = None,
-           schedule: str = "gpipe") -> Timeline:
-    """The textbook diagram with unit costs (forward 1, backward 2, recompute 1), for GPipe's
-    fill-drain order or another schedule of the engine (\"1f1b\")."""
-    costs = costs or THEORY_COSTS
+           schedule: str = "gpipe", virtual: int = 1) -> Timeline:
+    """The textbook diagram with unit costs (a stage's forward 1, backward 2, recompute 1; with
+    zb-h1 the backward splits into B 1 and W 1; an interleaved chunk does 1/v of it), for any
+    schedule of the engine."""
+    costs = costs or theory_model.unit_costs(schedule, virtual)
     label = "theory (unit costs)" if schedule == "gpipe" else f"theory (unit costs), {schedule}"
     return _laid_out(stages, micro_batches, checkpoint, lambda k, task: costs[task.op], label, "time units",
-                     schedule)
+                     schedule, virtual)
 
 
 def of_record(record, view: str) -> Timeline:
     """The timeline of a lab RunRecord for `view`: "measured", "ideal replay" or "theory"."""
     config = record.config
+    virtual = config.get("virtual_stages", 1)
     if view == "measured":
         return measured(record.events, record.stages, f"measured ({record.transport})", record.messages)
     if view == "ideal replay":
         events = record.solo_events or record.events
         label = "ideal replay of tasks timed alone" if record.solo_events else "ideal replay of measured tasks"
         return ideal_replay(events, record.stages, record.micro_batches, config["checkpoint"], label,
-                            config["schedule"])
+                            config["schedule"], virtual)
     if view == "theory":
-        return theory(record.stages, record.micro_batches, config["checkpoint"], schedule=config["schedule"])
+        return theory(record.stages, record.micro_batches, config["checkpoint"], schedule=config["schedule"],
+                      virtual=virtual)
     raise ValueError(f"unknown view {view!r}; expected 'measured', 'ideal replay' or 'theory'")
 
 
-def task_order(stages: int, micro_batches: int, checkpoint: str, schedule: str, stage: int) -> str:
-    """One stage's task list under a schedule, as text ("F0 F1 B0 ...")."""
-    return " ".join(map(str, SCHEDULES[check_schedule(schedule)](stages, micro_batches, checkpoint)[stage]))
+def task_order(stages: int, micro_batches: int, checkpoint: str, schedule: str, stage: int, virtual: int = 1) -> str:
+    """One stage's task list under a schedule, as text ("F0 F1 B0 ..."; with several chunks per
+    stage each task says its chunk: "F0@2")."""
+    tasks = SCHEDULES[check_schedule(schedule)](stages, micro_batches, checkpoint, virtual)[stage]
+    return " ".join(f"{task}@{task.chunk}" if virtual > 1 else str(task) for task in tasks)
 
 
 def _laid_out(stages: int, micro_batches: int, checkpoint: str, duration, label: str, unit: str,
-              schedule: str = "gpipe") -> Timeline:
-    plan = SCHEDULES[check_schedule(schedule)](stages, micro_batches, checkpoint)
+              schedule: str = "gpipe", virtual: int = 1) -> Timeline:
+    plan = SCHEDULES[check_schedule(schedule)](stages, micro_batches, checkpoint, virtual)
     times = timeline(plan, duration)
-    events = [Event(k, task.micro, task.op, start, end, "")
+    events = [Event(k, task.micro, task.op, start, end, "", task.chunk)
               for k, tasks in enumerate(plan) for task, (start, end) in zip(tasks, times[k])]
     return _timeline(label, stages, events, unit)

@@ -5,6 +5,7 @@
     python -m lab.reproduce memory  [--device cpu|cuda] [--budget BYTES] [--quick] [--out DIR]
     python -m lab.reproduce peers   [--quick] [--out DIR]
     python -m lab.reproduce transports [--model M] [--width W] [--batch N] [--stages K] [--micro-batches M] [--quick]
+    python -m lab.reproduce schedules [--stages K] [--virtual V] [--quick] [--out DIR]
     python -m lab.reproduce all     [--quick] [--out DIR]
 
 Each command writes <out>/<name>.md, .csv and .html (a Plotly chart) and prints the markdown table
@@ -26,7 +27,7 @@ from tqdm import tqdm
 
 from engine.device import keep_freed_cpu_memory
 
-from . import fit, host, peers, speedup, theory
+from . import fit, host, peers, schedules, speedup, theory
 from .experiments import APP_DEFAULT, RunConfig
 from .experiments import check as experiments_check
 
@@ -45,6 +46,7 @@ def parser() -> argparse.ArgumentParser:
                             ("memory", "the paper's Table 1 idea: largest model within a memory budget"),
                             ("peers", "our engine vs torch.distributed.pipelining and torchgpipe"),
                             ("transports", "stages as threads vs as processes at one setting (the app's default)"),
+                            ("schedules", "GPipe, 1F1B, interleaved 1F1B and ZB-H1 side by side, by M"),
                             ("all", "speedup, memory and peers")):
         command = commands.add_parser(name, help=help_text)
         command.add_argument("--quick", action="store_true", help="small sizes: seconds, for a smoke run or CI")
@@ -69,6 +71,9 @@ def parser() -> argparse.ArgumentParser:
             command.add_argument("--checkpoint", default=default.checkpoint,
                                  choices=["always", "except_last", "never"])
             command.add_argument("--rounds", type=int, default=7)
+        if name == "schedules":
+            command.add_argument("--stages", type=int, default=4, help="K (default 4)")
+            command.add_argument("--virtual", type=int, default=2, help="chunks per stage of interleaved (default 2)")
         if name in ("memory", "all"):
             command.add_argument("--budget", type=int, default=None,
                                  help="bytes per device (default 24 MiB, 3 MiB with --quick)")
@@ -88,6 +93,12 @@ def check(args: argparse.Namespace) -> None:
     model = getattr(args, "model", "transformer")
     if model not in ("transformer", "cnn"):
         raise ValueError(f"--model {model!r}: expected transformer or cnn")
+    if args.command == "schedules":
+        base = schedules_config(args)
+        experiments_check(base)
+        if args.virtual < 2 or base.stages * args.virtual > base.layers:
+            raise ValueError(f"--virtual {args.virtual}: expected 2 <= v and K*v <= {base.layers} layers")
+        return
     if args.command == "transports":
         experiments_check(transports_config(args).but(transport="processes"))
         if args.rounds < 1:
@@ -169,6 +180,30 @@ def memory_rows(args, progress) -> Iterator[dict]:
                "paper": paper, "probes": len(best.probes)}
 
 
+def schedules_config(args) -> RunConfig:
+    """The step every schedule runs: the zoo's Transformer, checkpoint never (recompute would hide
+    what the orders hold), M = 4 to 32."""
+    return RunConfig(model="transformer", blocks=6, width=32 if args.quick else 64, batch=32, stages=args.stages,
+                     micro_batches=4, checkpoint="never", seed=args.seed)
+
+
+def schedules_micro_batches(args) -> list[int]:
+    """M values for the table: multiples of K (interleaved needs them), up to the batch."""
+    return [m for m in ((4, 8) if args.quick else (4, 8, 16, 32)) if m % args.stages == 0 and m <= 32] or [args.stages]
+
+
+def schedules_rows(args, progress) -> Iterator[dict]:
+    base = schedules_config(args)
+    for micro in schedules_micro_batches(args):
+        for result in schedules.compare(base.but(micro_batches=micro), virtual=args.virtual,
+                                        progress=lambda name: progress(f"M={micro}: {name}")):
+            yield {"schedule": result.schedule, "v": result.virtual, "M": micro, "how": result.how,
+                   "bubble": round(result.timeline.bubble, 3), "bubble, theory": round(result.theory_bubble, 3),
+                   "makespan (ms)": round(result.timeline.makespan * 1e3, 1),
+                   "peak activations, max stage (MiB)": round(max(result.peaks) / 2 ** 20, 3),
+                   "micro-batches held, theory (max stage)": max(result.theory_in_flight())}
+
+
 def transports_rows(args, progress) -> Iterator[dict]:
     yield from speedup.transports(transports_config(args), 1 if args.quick else args.rounds, progress)
 
@@ -220,6 +255,13 @@ def chart(name: str, rows: list[dict]) -> go.Figure:
             figure.add_scatter(name=implementation, x=group["M"], y=group["speedup vs one core"], mode="lines+markers")
         figure.update_layout(title="K=2 speedup over one core, by implementation", xaxis_title="M",
                              yaxis_title="x", xaxis_type="log")
+    elif name == "schedules" and rows:
+        for schedule, group in frame.groupby("schedule", sort=False):
+            figure.add_scatter(name=f"{schedule}", x=group["M"], y=group["bubble"], mode="lines+markers")
+            figure.add_scatter(name=f"{schedule}, theory", x=group["M"], y=group["bubble, theory"], mode="lines",
+                               line_dash="dot")
+        figure.update_layout(title="Bubble by schedule and M", xaxis_title="M", yaxis_title="bubble",
+                             yaxis_tickformat=".0%")
     elif name == "transports" and rows:
         figure.add_bar(x=frame["stages run as"], y=frame["speedup over K=1"], text=frame["speedup range"],
                        hovertemplate="%{x}: %{y:.2f}x (rounds %{text})<extra></extra>")
@@ -232,6 +274,9 @@ DETAILS = {
                "cells with more stages than devices are ideal replays of task times measured one at a time",
     "memory": "largest Transformer whose real training step (forward, backward, Adam) fits the budget per device",
     "peers": "same model, batch and K=2; one core per stage; max grad diff against the unpipelined model",
+    "schedules": "the same step under each schedule; measured where the host has a core per stage, else the "
+                 "ideal replay of task times measured one at a time; theory: unit costs (F=1, B=2; zb-h1: "
+                 "F=B=W=1); memory: the ledger's activation peak",
     "transports": "the same steps with the stages as threads of one process and as one process each (gloo); "
                   "one core per stage; speedup = median per-round ratio to K=1 of the same round",
 }
@@ -251,6 +296,11 @@ def run_command(name: str, args, rows_of: Callable, out: Path) -> list[dict]:
         lines.append(f"# model {base.model}: {base.blocks} blocks ({base.layers} layers), width {base.width}, "
                      f"batch {base.batch}, checkpoint {base.checkpoint}, device {base.device}, stages as "
                      f"{base.transport} (K=1 and replayed cells: threads)")
+    if name == "schedules":
+        base = schedules_config(args)
+        lines.append(f"# model {base.model}: {base.blocks} blocks ({base.layers} layers), width {base.width}, "
+                     f"batch {base.batch}, K={base.stages}, M in {schedules_micro_batches(args)}, interleaved "
+                     f"v={args.virtual}, checkpoint never")
     if name == "transports":
         base = transports_config(args)
         lines.append(f"# model {base.model}: {base.blocks} blocks ({base.layers} layers), width {base.width}, "
@@ -289,7 +339,8 @@ def run_command(name: str, args, rows_of: Callable, out: Path) -> list[dict]:
     return rows
 
 
-COMMANDS = {"speedup": speedup_rows, "memory": memory_rows, "peers": peers_rows, "transports": transports_rows}
+COMMANDS = {"speedup": speedup_rows, "memory": memory_rows, "peers": peers_rows, "transports": transports_rows,
+            "schedules": schedules_rows}
 ALL = ("speedup", "memory", "peers")
 
 

@@ -74,3 +74,54 @@ def data_vs_pipeline(param_bytes: int, boundary_bytes_per_sample: float, batch: 
         "data parallel: bytes sent per device per step": 2 * (k - 1) / k * param_bytes,
         "pipeline: bytes sent per boundary per step": 2 * batch * boundary_bytes_per_sample,
     }
+
+
+# --- the schedules that came after GPipe ------------------------------------------------------
+
+SCHEDULE_PAPERS = {
+    "gpipe": "Huang et al., GPipe: Efficient Training of Giant Neural Networks using Pipeline Parallelism, 2019",
+    "1f1b": "Narayanan et al., PipeDream: Generalized Pipeline Parallelism for DNN Training, 2019 "
+            "(its synchronous flush variant, PipeDream-Flush)",
+    "interleaved": "Narayanan et al., Efficient Large-Scale Language Model Training on GPU Clusters "
+                   "Using Megatron-LM, 2021",
+    "zb-h1": "Qi et al., Zero Bubble Pipeline Parallelism, 2023 (schedule ZB-H1)",
+}
+
+
+def unit_costs(schedule: str, virtual: int = 1) -> dict[str, float]:
+    """Task costs of the unit-cost model, per chunk: a stage's forward is 1 and its backward 2 (F=1,
+    B=2, a recompute is one more forward); the zero-bubble paper's accounting splits the backward
+    into B=1 and W=1. A chunk of an interleaved stage does 1/v of the stage's work."""
+    costs = {"F": 1.0, "B": 1.0, "W": 1.0, "R": 1.0} if schedule == "zb-h1" else {"F": 1.0, "B": 2.0, "R": 1.0}
+    return {op: cost / virtual for op, cost in costs.items()}
+
+
+def schedule_bubble(schedule: str, stages: int, micro_batches: int, virtual: int = 1) -> float:
+    """Idle fraction of the K stages in the unit-cost model, without recompute.
+
+    gpipe and 1f1b: (K-1)/(M+K-1), the same idle time in another order. interleaved: the fill and
+    drain pass through chunks of 1/v the work, (K-1)/(vM+K-1). zb-h1 (F=B=W=1): 1F1B leaves each
+    stage 3(K-1) units idle; ZB-H1 fills two thirds of it with deferred W's, (K-1)/(3M+K-1)."""
+    if schedule in ("gpipe", "1f1b"):
+        return bubble(stages, micro_batches)
+    if schedule == "interleaved":
+        return (stages - 1) / (virtual * micro_batches + stages - 1)
+    if schedule == "zb-h1":
+        return (stages - 1) / (3 * micro_batches + stages - 1)
+    raise ValueError(f"schedule={schedule!r}: expected one of {tuple(SCHEDULE_PAPERS)}")
+
+
+def peak_in_flight(schedule: str, stages: int, micro_batches: int, stage: int, virtual: int = 1) -> float:
+    """Most micro-batches whose activations stage `stage` holds at once (forward done, backward or,
+    for zb-h1, weight gradient not yet), counted in whole stages' worth: an interleaved chunk holds
+    1/v of its stage's layers. gpipe: M. 1f1b: K-k. interleaved: Megatron's fill of 2(K-1-k) + (v-1)K
+    chunk forwards, plus one, over v. zb-h1: K on every stage, the bound of 1F1B's first stage."""
+    if schedule == "gpipe":
+        return float(micro_batches)
+    if schedule == "1f1b":
+        return float(min(stages - stage, micro_batches))
+    if schedule == "zb-h1":
+        return float(min(stages, micro_batches))
+    if schedule == "interleaved":
+        return min(2 * (stages - 1 - stage) + (virtual - 1) * stages + 1, micro_batches * virtual) / virtual
+    raise ValueError(f"schedule={schedule!r}: expected one of {tuple(SCHEDULE_PAPERS)}")

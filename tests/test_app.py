@@ -25,7 +25,8 @@ def small(at, **values):
     if at.selectbox(key="model").value != model:
         at.selectbox(key="model").set_value(model).run()  # its own width slider appears with it
     for key, value in settings.items():
-        widget = {"recompute": at.radio, "balance": at.radio, "view": at.radio, "transport": at.radio}.get(key)
+        widget = {"recompute": at.radio, "balance": at.radio, "view": at.radio, "transport": at.radio,
+                  "schedule": at.selectbox}.get(key)
         if key in ("batch", "width", "blocks"):
             key = f"{key}-{model}"
         (widget(key=key) if widget else find_slider(at, key)).set_value(value)
@@ -193,7 +194,6 @@ def test_a_dead_stage_process_is_a_clear_error_and_the_next_run_rebuilds(app):
 
 def test_a_session_that_finds_the_stage_processes_busy_waits_and_says_so(app):
     import threading
-    import time
     from lab import processes
     app.run()
     small(app, stages=2, micro=4, transport="processes")
@@ -212,3 +212,32 @@ def test_a_session_that_finds_the_stage_processes_busy_waits_and_says_so(app):
     other.join()
     assert not app.exception and not app.error
     assert any("waited its turn" in c.value and "another session" in c.value for c in app.caption)
+
+
+@pytest.mark.parametrize("schedule,ops", [("interleaved", {"forward", "backward"}),
+                                          ("zb-h1", {"forward", "backward", "weight gradient"})])
+def test_later_schedules_run_from_the_sidebar(app, schedule, ops):
+    app.run()
+    small(app, stages=2, micro=4, recompute="off", schedule=schedule)
+    assert not app.exception and not app.error
+    _, bars = gantt(app)
+    assert {name for name in bars} == ops
+    chunks = 2 if schedule == "interleaved" else 1
+    assert len(bars["forward"]["x"]) == 2 * 4 * chunks  # K stages x M micro-batches x v chunks
+    if schedule == "interleaved":
+        assert any("@" in text for text in bars["forward"]["text"])  # bars say their chunk
+
+
+def test_the_four_schedules_side_by_side(app):
+    app.run()
+    small(app, stages=2, micro=4, blocks=8, recompute="off")
+    app.button(key="compare_schedules").click().run()
+    assert not app.exception
+    table = app.dataframe[-1].value
+    assert list(table["schedule"]) == ["gpipe", "1f1b", "interleaved, v=2", "zb-h1"]
+    spec = json.loads(next(c for c in app.get("plotly_chart") if "schedules_gantt" in c.proto.id).proto.spec)
+    titles = [a["text"] for a in spec["layout"]["annotations"]]
+    assert [t.split(" ")[0] for t in titles] == ["gpipe", "1f1b", "interleaved", "zb-h1"]
+    small(app, stages=2, micro=3, blocks=8, recompute="off")  # M=3 is not a multiple of K=2
+    app.button(key="compare_schedules").click().run()
+    assert any("Left out: interleaved" in w.value for w in app.warning)

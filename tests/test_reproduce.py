@@ -41,6 +41,19 @@ def test_speedup_with_processes_and_the_transports_comparison(tmp_path):
     assert float(rows[0]["communication share"]) == 0 < float(rows[1]["communication share"])
 
 
+def test_schedules_quick_table_has_every_schedule_with_its_theory(tmp_path):
+    assert reproduce.main(["schedules", "--quick", "--out", str(tmp_path)]) == 0
+    rows = read_csv(tmp_path / "schedules.csv")
+    assert [(r["schedule"], r["M"]) for r in rows] == [(s, m) for m in ("4", "8")
+                                                       for s in ("gpipe", "1f1b", "interleaved", "zb-h1")]
+    assert {r["how"] for r in rows} <= {"measured (threads)", "ideal replay"}
+    theory = {(r["schedule"], r["M"]): float(r["bubble, theory"]) for r in rows}
+    assert theory[("gpipe", "8")] == theory[("1f1b", "8")] == round(3 / 11, 3)
+    assert theory[("interleaved", "8")] == round(3 / 19, 3) and theory[("zb-h1", "8")] == round(3 / 27, 3)
+    held = {(r["schedule"], r["M"]): float(r["micro-batches held, theory (max stage)"]) for r in rows}
+    assert held[("gpipe", "8")] == 8 and held[("1f1b", "8")] == held[("zb-h1", "8")] == 4
+
+
 def test_memory_quick_finds_growing_models(tmp_path):
     assert reproduce.main(["memory", "--quick", "--out", str(tmp_path)]) == 0
     rows = read_csv(tmp_path / "memory.csv")
@@ -91,6 +104,7 @@ def test_the_peers_table_pairs_each_round_with_its_baseline():
     (["memory", "--budget", "0"], "--budget 0"),
     (["transports", "--stages", "9", "--blocks", "2"], "K=9 stages but the transformer has only 4 layers"),
     (["transports", "--rounds", "0"], "--rounds 0"),
+    (["schedules", "--virtual", "1"], "--virtual 1"),
 ])
 def test_bad_arguments_get_one_line_and_exit_code_2(argv, words, capsys):
     if "cuda" in argv:

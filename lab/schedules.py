@@ -1,0 +1,65 @@
+"""The same configuration under every schedule, for side-by-side views: GPipe, 1F1B, interleaved
+1F1B and ZB-H1 on one model, one K and one M, each measured (or replayed), with the theory beside."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Iterator, Optional
+
+from . import replay, theory
+from .experiments import RunConfig, RunRecord, check, parallel_devices, run
+
+# Each schedule with its chunks per stage; interleaved uses v = 2 unless told otherwise.
+SCHEDULE_ORDER = ("gpipe", "1f1b", "interleaved", "zb-h1")
+
+
+@dataclass(frozen=True)
+class ScheduleRun:
+    """One schedule's step: how it was obtained, its timeline and what it held."""
+
+    schedule: str
+    virtual: int
+    how: str                       # "measured (threads)", "measured (processes)" or "ideal replay"
+    timeline: replay.Timeline
+    record: RunRecord
+
+    @property
+    def peaks(self) -> list[int]:
+        """Activation peak per stage (bytes), measured by the ledger."""
+        return [m["activation_peak_bytes"] for m in self.record.memory]
+
+    @property
+    def theory_bubble(self) -> float:
+        return theory.schedule_bubble(self.schedule, self.record.stages, self.record.micro_batches, self.virtual)
+
+    def theory_in_flight(self) -> list[float]:
+        """Peak micro-batches held per stage in the unit-cost model (in whole stages' worth)."""
+        return [theory.peak_in_flight(self.schedule, self.record.stages, self.record.micro_batches, k, self.virtual)
+                for k in range(self.record.stages)]
+
+
+def variant(config: RunConfig, schedule: str, virtual: int = 2) -> RunConfig:
+    """The configuration run under `schedule` (with `virtual` chunks per stage if interleaved)."""
+    return config.but(schedule=schedule, virtual_stages=virtual if schedule == "interleaved" else 1)
+
+
+def compare(config: RunConfig, virtual: int = 2, progress: Optional[Callable[[str], None]] = None,
+            skipped: Optional[list[str]] = None) -> Iterator[ScheduleRun]:
+    """Run `config` under each schedule in turn. Measured when the host has a core (or GPU) per
+    stage, else the ideal replay of task times measured one at a time; each says which. A schedule
+    the configuration cannot run (interleaved needs M a multiple of K and K*v layers) is left out,
+    with the reason appended to `skipped`."""
+    for name in SCHEDULE_ORDER:
+        each = variant(config, name, virtual)
+        try:
+            check(each)
+        except ValueError as error:
+            if skipped is not None:
+                skipped.append(f"{name}: {error}")
+            continue
+        if progress is not None:
+            progress(name)
+        record = run(each, replay=True)
+        measured = each.stages <= parallel_devices(each)
+        view = "measured" if measured else "ideal replay"
+        how = f"measured ({each.transport})" if measured else "ideal replay"
+        yield ScheduleRun(name, each.virtual_stages, how, replay.of_record(record, view), record)
