@@ -12,8 +12,11 @@ or targets (last rank) to `pipe.step`; rank 0 prints.
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
+from dataclasses import asdict
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -37,6 +40,8 @@ def parser() -> argparse.ArgumentParser:
     options.add_argument("--lr", type=float, default=3e-3)
     options.add_argument("--seed", type=int, default=0)
     options.add_argument("--log-every", type=int, default=10)
+    options.add_argument("--trace-out", default=None, help="write the last step's trace (every stage's tasks "
+                         "and messages) as JSON to this file, from rank 0")
     return options
 
 
@@ -93,6 +98,10 @@ def main(argv=None) -> int:
                             for b in trace.boundary_bytes) if trace.messages else "nothing (threads share memory)"
         print(f"# done: {args.steps} steps in {time.perf_counter() - start:.1f} s; loss {losses[0]:.4f} -> "
               f"{losses[-1]:.4f}; per step each boundary carried {crossed}", flush=True)
+        if args.trace_out:
+            Path(args.trace_out).write_text(json.dumps(
+                {"stages": trace.stages, "transport": trace.transport, "events": trace.to_records(),
+                 "messages": [asdict(m) for m in trace.messages], "losses": losses}))
     pipe.close()
     if distributed:
         dist.destroy_process_group()

@@ -12,7 +12,8 @@ import torch
 from torch import nn
 
 from conftest import mlp, pair_model
-from launch import children, two_nodes
+from launch import children
+from lab.launch import two_nodes
 from engine import GPipe
 from engine.pool import ProcessPool, StageProcessError
 

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from launch import ROOT, two_nodes
+from lab.launch import ROOT, two_nodes
 
 ARGS = ["--steps", "12", "--log-every", "4", "--blocks", "2", "--width", "32", "--batch", "16"]
 

@@ -1,0 +1,72 @@
+"""Launching the engine on several "machines" from one: two torchrun agents, one process each,
+meeting at a c10d rendezvous on loopback, exactly as two hosts would over a network (lesson 9 runs
+`python -m lab.train` this way and draws its trace; the tests check faults across nodes with it)."""
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Callable, Optional
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def free_port() -> int:
+    """A TCP port on loopback that nothing listens on now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def agent_command(script_args: list[str], port: int, rdzv_id: str, node_rank: Optional[int] = None) -> list[str]:
+    """The torchrun command of one of two agents ("nodes") of one process each."""
+    rank = [] if node_rank is None else ["--node-rank", str(node_rank)]
+    return [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1", *rank,
+            "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", rdzv_id, *script_args]
+
+
+def two_nodes(script_args: list[str], rdzv_id: str, timeout: float, done: Callable[[], bool] = lambda: False,
+              env: Optional[dict] = None) -> list[str]:
+    """Run two torchrun agents on this machine until `done()` or both exit, at most `timeout`
+    seconds; then stop both and everything they started (an agent whose peer died may otherwise
+    sit in torchrun's exit barrier for minutes). Returns each agent's output."""
+    port = free_port()
+    logs = [tempfile.TemporaryFile("w+") for _ in range(2)]
+    nodes = [subprocess.Popen(agent_command(script_args, port, rdzv_id), cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
+                              text=True, start_new_session=True, env={**os.environ, **(env or {})}) for log in logs]
+    try:
+        deadline = time.monotonic() + timeout
+        while not done() and any(node.poll() is None for node in nodes) and time.monotonic() < deadline:
+            time.sleep(0.2)
+    finally:
+        for node in nodes:
+            if node.poll() is None:
+                os.killpg(node.pid, signal.SIGKILL)
+            node.wait()
+    outputs = []
+    for log in logs:
+        log.seek(0)
+        outputs.append(log.read())
+        log.close()
+    return outputs
+
+
+def train_on_two_nodes(train_args: list[str], timeout: float = 180.0) -> dict:
+    """`python -m lab.train` on two torchrun agents of this machine (one stage each, c10d rendezvous
+    on loopback): rank 0's trace of the last step (events, messages, losses), the agents' outputs,
+    and the command each agent ran. Raises RuntimeError with the agents' output if no trace came."""
+    with tempfile.TemporaryDirectory() as folder:
+        path = Path(folder) / "trace.json"
+        args = ["-m", "lab.train", *train_args, "--trace-out", str(path)]
+        outputs = two_nodes(args, "gpipe-lab-two-nodes", timeout)
+        if not path.exists():
+            raise RuntimeError("the two-node run wrote no trace; the agents printed:\n" + "\n".join(outputs))
+        trace = json.loads(path.read_text())
+    return {**trace, "outputs": outputs, "command": shlex.join(agent_command(args, 0, "gpipe-lab-two-nodes"))}
