@@ -86,3 +86,25 @@ def loss_curves(config: RunConfig, stage_counts: Iterable[int], steps: int) -> d
 def _has_dropout(model: nn.Module) -> bool:
     return any(isinstance(m, nn.Dropout) and m.p > 0 for m in model.modules())
 
+
+def thread_counts(config: RunConfig, stages: int = 2) -> dict:
+    """The same step with one and with two intra-op threads per stage: CPU kernels split their
+    sums by thread, and float addition is not associative, so the last bits change."""
+    one = pipeline_gradients(config.but(threads_per_stage=1), stages, "never")
+    two = pipeline_gradients(config.but(threads_per_stage=2), stages, "never")
+    return {"bitwise equal": all(torch.equal(a, b) for a, b in zip(one, two)),
+            "max |diff|": max((a - b).abs().max().item() for a, b in zip(one, two))}
+
+
+def batch_norm_by_m(config: RunConfig, stage_counts: Iterable[int] = (1, 2), micro: Iterable[int] = (2, 4)) -> list[dict]:
+    """Gradients of a batch-norm model for several K and M: the same for every K at one M (the
+    micro-batches are the same), but not across M, since each micro-batch is normalized with its
+    own statistics: M changes what the model computes."""
+    micro = list(micro)
+    grads = {(k, m): pipeline_gradients(config.but(micro_batches=m), k, "never") for k in stage_counts for m in micro}
+    first_k, first_m = min(stage_counts), micro[0]
+    return [{"K": k, "M": m, "bitwise equal to K=1 at this M": all(torch.equal(a, b) for a, b in
+                                                                zip(grads[(k, m)], grads[(first_k, m)])),
+             f"max |diff| vs M={first_m}": max((a - b).abs().max().item() for a, b in
+                                               zip(grads[(k, m)], grads[(k, first_m)]))}
+            for m in micro for k in stage_counts]

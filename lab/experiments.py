@@ -5,16 +5,17 @@ tabulate it and the reproduction CLI can write it to CSV.
 """
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import asdict, dataclass, field, replace
-from typing import Callable, Iterable, Optional
+from typing import Callable, Iterable, Optional, Union
 
 import pandas as pd
 import torch
 from torch import nn
 
 from engine import GPipe, balance_by_size, balance_by_time
-from engine.balance import layer_sizes
+from engine.balance import layer_sizes, layer_times
 from engine.device import cpu_cores
 from engine.microbatch import tensors_of
 from engine.schedule import CHECKPOINT_MODES, SCHEDULES
@@ -157,7 +158,11 @@ def check(config: RunConfig) -> None:
 
 
 def parallel_devices(config: RunConfig) -> int:
-    """How many stages this host can really run at once: its GPUs, or its cores at one per stage."""
+    """How many stages this host can really run at once: its GPUs, or its cores at one per stage.
+    GPIPE_LAB_DEVICES=n pretends it is n (to check lessons and pages for other hosts on this one)."""
+    pretend = os.environ.get("GPIPE_LAB_DEVICES")
+    if pretend:
+        return max(1, int(pretend))
     if config.device == "cuda":
         return torch.cuda.device_count()
     return max(1, cpu_cores() // config.threads_per_stage)
@@ -195,6 +200,13 @@ def choose_balance(config: RunConfig, model: nn.Sequential, inputs) -> list[int]
     return balance_by_size(chunks, model, sample)
 
 
+def layer_costs(config: RunConfig) -> list[float]:
+    """Forward+backward seconds of each layer on one micro-batch of the configuration: the costs
+    balance="time" cuts by (engine.balance.layer_times)."""
+    model, (inputs, _), _ = build(config)
+    return layer_times(model, micro_sample(inputs, config))
+
+
 def pipe_options(config: RunConfig) -> dict:
     """How the lab pipelines a configuration: deferred batch norm, seeded randomness."""
     return dict(chunks=config.micro_batches, checkpoint=config.checkpoint, schedule=config.schedule,
@@ -207,7 +219,7 @@ def pipeline(config: RunConfig, model: nn.Sequential, balance: list[int]) -> GPi
     return GPipe(model, balance, devices=devices_for(config), **pipe_options(config))
 
 
-def run(config: RunConfig, on_event: Optional[Callable] = None, replay: bool = False,
+def run(config: RunConfig, on_event: Optional[Callable] = None, replay: Union[bool, str] = False,
         warmup: int = 1, on_wait: Optional[Callable[[], None]] = None) -> RunRecord:
     """Build the configuration, run `warmup` unrecorded steps, then one measured step, with the
     stages as threads of this process or, with `transport="processes"`, as the lab's shared stage
@@ -219,12 +231,13 @@ def run(config: RunConfig, on_event: Optional[Callable] = None, replay: bool = F
 
     With `replay=True`, when the host cannot run all K stages at once, the same step is also run
     one task at a time (`serial=True`, in this process): those task times, not the ones stretched
-    by sharing, are what an ideal replay lays onto K independent devices.
+    by sharing, are what an ideal replay lays onto K independent devices. `replay="always"` does
+    it whatever the host, for claims that must hold on any host.
     """
     check(config)
     model, (inputs, targets), loss_fn = build(config)
     balance = choose_balance(config, model, inputs)
-    replayed = replay and config.stages > parallel_devices(config)
+    replayed = replay == "always" or (bool(replay) and config.stages > parallel_devices(config))
     if config.transport == "processes":
         trace, loss, wall = _steps_in_processes(config, balance, inputs, targets, loss_fn, warmup, on_event, on_wait)
         solo = None
@@ -320,18 +333,30 @@ def solo_events(pipe: GPipe, inputs, targets, loss_fn, repeats: int = 2) -> list
 
 def predicted_activation_bytes(config: RunConfig, model: nn.Sequential, inputs, balance: list[int]) -> list[float]:
     """Per stage, the activation peak that the O(N + (L/K)(N/M)) model predicts (or O(N*L/K)
-    without recompute), from per-layer bytes measured on one micro-batch."""
-    sample = micro_sample(inputs, config)
-    samples = sample.shape[0]
-    saved = [b / samples for b in layer_sizes(model, sample, param_scale=0.0, count_inputs=False)]
-    inputs_per_sample = boundary_bytes(model, sample)
+    without recompute), from per-layer bytes measured on one micro-batch (GPipe's order; a stage
+    of several chunks is given the sum of its chunks')."""
+    saved, inputs_per_sample = layer_bytes_per_sample(model, micro_sample(inputs, config))
     recompute = config.checkpoint != "never"
-    predictions, first = [], 0
-    for count in balance:
-        predictions.append(theory.stage_activation_bytes(
-            saved[first:first + count], inputs_per_sample[first], config.batch, config.micro_batches, recompute))
+    predictions, first = [0.0] * config.stages, 0
+    for chunk, count in enumerate(balance):
+        predictions[chunk % config.stages] += theory.stage_activation_bytes(
+            saved[first:first + count], inputs_per_sample[first], config.batch, config.micro_batches, recompute)
         first += count
     return predictions
+
+
+def per_layer_bytes(config: RunConfig) -> tuple[list[float], list[float]]:
+    """Measured on one micro-batch of the configuration: per layer, the bytes per sample autograd
+    saves for its backward (its own input left out: that is the previous layer's output), and the
+    bytes per sample of its input. What the activation-memory formula is fed with."""
+    model, (inputs, _), _ = build(config)
+    return layer_bytes_per_sample(model, micro_sample(inputs, config))
+
+
+def layer_bytes_per_sample(model: nn.Sequential, sample) -> tuple[list[float], list[float]]:
+    """(bytes each layer saves for backward, bytes of each layer's input), per sample of `sample`."""
+    saved = [b / sample.shape[0] for b in layer_sizes(model, sample, param_scale=0.0, count_inputs=False)]
+    return saved, boundary_bytes(model, sample)
 
 
 @torch.no_grad()

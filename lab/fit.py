@@ -14,9 +14,10 @@ from typing import Callable, Optional
 import torch
 
 from engine import GPipe
+from engine.partition import resolve_balance
 
-from . import models
-from .experiments import RunConfig, build, devices_for
+from . import models, theory
+from .experiments import RunConfig, build, devices_for, predicted_activation_bytes
 
 
 @dataclass(frozen=True)
@@ -151,3 +152,32 @@ def largest(base: RunConfig, stages: int, checkpoint: str, budget: int, max_bloc
 LADDER = (("naive, K=1, no recompute", 1, "never"), ("K=1 with recompute", 1, "always"),
           ("pipeline K=2, recompute", 2, "always"), ("pipeline K=4, recompute", 4, "always"),
           ("pipeline K=8, recompute", 8, "always"))
+
+
+def plan(base: RunConfig, budget: int, stages=(1, 2, 4), micro=(1, 2, 4, 8), checkpoints=("never", "always")) -> list[dict]:
+    """Predict, before running anything big, each (K, M, recompute): the bytes of the most loaded
+    stage (16 bytes per parameter for weights, gradients and Adam's moments, plus the activation
+    formula fed with per-layer sizes measured on one micro-batch) and the time per mini-batch in the
+    unit-cost model, relative to one device: (M+K-1)(3+r)/(3KM), r = 1 with recompute (one more
+    forward) else 0. Whether each fits `budget` is the prediction's verdict, to be checked by a run."""
+    model, (inputs, _), _ = build(base)
+    layer_params = [sum(p.numel() for p in layer.parameters()) for layer in model]
+    rows = []
+    for k in stages:
+        if k > len(model):
+            continue
+        counts = resolve_balance(k, len(model))
+        edges = [sum(counts[:i]) for i in range(k + 1)]
+        for m in micro:
+            if m > base.batch:
+                continue
+            for checkpoint in checkpoints:
+                config = base.but(stages=k, micro_batches=m, checkpoint=checkpoint)
+                activations = predicted_activation_bytes(config, model, inputs, counts)
+                per_stage = [16 * sum(layer_params[a:b]) + act for (a, b), act in zip(zip(edges, edges[1:]), activations)]
+                rows.append({"K": k, "M": m, "checkpoint": checkpoint, "predicted bytes (most loaded stage)":
+                             round(max(per_stage)), "fits (predicted)": max(per_stage) <= budget,
+                             "bubble (theory)": round(theory.bubble(k, m), 3),
+                             "time vs one device (theory)": round((m + k - 1) * (3 + (checkpoint != "never")) /
+                                                                  (3 * k * m), 3)})
+    return rows

@@ -102,6 +102,24 @@ def of_record(record, view: str) -> Timeline:
     raise ValueError(f"unknown view {view!r}; expected 'measured', 'ideal replay' or 'theory'")
 
 
+def with_mean_costs(record, per_stage: bool) -> Timeline:
+    """The ideal replay of a record with every task taking the mean measured time of its op: each
+    stage's own mean (`per_stage`: differences between stages kept, task-to-task jitter gone) or
+    one mean over all stages (the stages made equal). Comparing the two with the plain replay
+    tells which of the two makes a bubble exceed (K-1)/(M+K-1)."""
+    config, events = record.config, record.solo_events or record.events
+    totals: dict = {}
+    for e in events:
+        key = (e.get("chunk", e["stage"]) if per_stage else None, e["op"])
+        total, count = totals.get(key, (0.0, 0))
+        totals[key] = (total + e["end"] - e["start"], count + 1)
+    mean = {key: total / count for key, (total, count) in totals.items()}
+    label = "ideal replay, each stage's mean task times" if per_stage else "ideal replay, all stages' mean task times"
+    return _laid_out(record.stages, record.micro_batches, config["checkpoint"],
+                     lambda k, task: mean[(task.chunk if per_stage else None, task.op)], label, "s",
+                     config["schedule"], config.get("virtual_stages", 1))
+
+
 def task_order(stages: int, micro_batches: int, checkpoint: str, schedule: str, stage: int, virtual: int = 1) -> str:
     """One stage's task list under a schedule, as text ("F0 F1 B0 ..."; with several chunks per
     stage each task says its chunk: "F0@2")."""

@@ -123,9 +123,9 @@ def speedup_config(args) -> RunConfig:
     transport = getattr(args, "transport", "threads")
     if args.model == "cnn":
         return RunConfig(model="cnn", blocks=6, width=8 if quick else 32, batch=32 if quick else 64,
-                         seed=args.seed, device=args.device, transport=transport)
+                         checkpoint=speedup.TABLE_CHECKPOINT, seed=args.seed, device=args.device, transport=transport)
     return RunConfig(model="transformer", blocks=6, width=32 if quick else 128, batch=32 if quick else 64,
-                     seed=args.seed, device=args.device, transport=transport)
+                     checkpoint=speedup.TABLE_CHECKPOINT, seed=args.seed, device=args.device, transport=transport)
 
 
 def transports_config(args) -> RunConfig:
@@ -154,10 +154,13 @@ def peers_workload(args) -> tuple[peers.Workload, list[int], int]:
 def speedup_rows(args, progress) -> Iterator[dict]:
     base = speedup_config(args)
     for cell in speedup.measure_table(base, args.stages, args.micro_batches, progress):
+        key = (cell.stages, cell.micro_batches)
         yield {"K": cell.stages, "M": cell.micro_batches, "samples/s": round(cell.samples_per_second, 1),
+               "vs K=2,M=1": None if cell.vs_pair is None else round(cell.vs_pair, 2),
+               "paper Transformer (vs K=2,M=1)": theory.PAPER_TABLE2["Transformer-48"].get(key),
+               "paper AmoebaNet (vs K=2,M=1)": theory.PAPER_TABLE2["AmoebaNet-D (18, 256)"].get(key),
                "speedup vs K=1,M=1": round(cell.vs_single, 2), "speedup vs K=1, same M": round(cell.vs_same_m, 2),
-               "paper": theory.PAPER_SPEEDUP.get((cell.stages, cell.micro_batches)),
-               "ideal K*M/(M+K-1)": round(theory.ideal_speedup(cell.stages, cell.micro_batches), 2),
+               "ideal K*M/(M+K-1)": round(theory.ideal_speedup(*key), 2),
                "bubble": round(cell.bubble, 3), "how": cell.label}
 
 
@@ -241,11 +244,12 @@ def chart(name: str, rows: list[dict]) -> go.Figure:
     figure = go.Figure()
     if name == "speedup" and rows:
         labels = [f"K={k}, M={m}" for k, m in zip(frame["K"], frame["M"])]
-        figure.add_bar(name="this host", x=labels, y=frame["speedup vs K=1,M=1"],
+        figure.add_bar(name="this host, vs its K=2, M=1", x=labels, y=frame["vs K=2,M=1"],
                        text=frame["how"], hovertemplate="%{x}: %{y:.2f}x (%{text})<extra></extra>")
-        figure.add_bar(name="paper (Transformer, TPU)", x=labels, y=frame["paper"])
-        figure.add_scatter(name="ideal K*M/(M+K-1)", x=labels, y=frame["ideal K*M/(M+K-1)"], mode="markers")
-        figure.update_layout(title="Speedup over one device", yaxis_title="x")
+        figure.add_bar(name="paper Transformer, vs its K=2, M=1", x=labels, y=frame["paper Transformer (vs K=2,M=1)"])
+        figure.add_bar(name="paper AmoebaNet, vs its K=2, M=1", x=labels, y=frame["paper AmoebaNet (vs K=2,M=1)"])
+        figure.add_scatter(name="bound K*M/(M+K-1)", x=labels, y=frame["ideal K*M/(M+K-1)"], mode="markers")
+        figure.update_layout(title="Table 2: throughput normalized to K=2, M=1", yaxis_title="x")
     elif name == "memory" and rows:
         figure.add_bar(x=frame["training"], y=frame["parameters"], text=frame["layers"],
                        hovertemplate="%{x}: %{y} parameters, %{text} layers<extra></extra>")
@@ -329,9 +333,13 @@ def run_command(name: str, args, rows_of: Callable, out: Path) -> list[dict]:
     pd.DataFrame(rows).to_csv(out / f"{name}.csv", index=False)
     chart(name, rows).write_html(out / f"{name}.html", include_plotlyjs=True)
     if name == "speedup":
-        print("\n".join(["# the paper's Table 2 (speedup over one TPU, Transformer):",
-                         markdown([{"M": m, **{f"K={k}": theory.PAPER_SPEEDUP[(k, m)] for k in (2, 4, 8)}}
-                                   for m in (1, 4, 32)])]))
+        print("\n".join(["# the paper's Table 2 (TPUs; each model normalized to its own K=2, M=1 cell):",
+                         markdown([{"M": m, **{f"{model.split(' ')[0]} K={k}": table[(k, m)] for model, table in
+                                               theory.PAPER_TABLE2.items() for k in (2, 4, 8)}} for m in (1, 4, 32)]),
+                         "# Table 3 (P100 GPUs without NVLink, M=32, normalized to K=2):",
+                         markdown([{"model": model, **{f"K={k}": v for k, v in table.items()}}
+                                   for model, table in theory.PAPER_TABLE3.items()]),
+                         f"# cells above the bound K*M/(M+K-1): {theory.PAPER_EXCEEDS_BOUND}"]))
     print("\n".join(lines))
     print(table)
     if interrupted:

@@ -16,17 +16,25 @@ from typing import Callable, Iterable, Iterator, Optional
 from . import replay
 from .experiments import RunConfig, RunRecord, parallel_devices, run
 
+# The recompute setting of every speedup table: each micro-batch re-materialized, as in the paper.
+# One setting for the whole table; "except_last" would recompute nothing at M=1 and 31 of 32
+# micro-batches at M=32, so rows would differ in work, not only in M.
+TABLE_CHECKPOINT = "always"
+
 
 @dataclass(frozen=True)
 class Cell:
     stages: int
     micro_batches: int
     samples_per_second: float
-    vs_single: float          # over K=1 at the first M of the sweep (M=1 in the paper's table)
+    vs_single: float          # over K=1 at the first M of the sweep (one device, M=1)
     vs_same_m: float          # over K=1 at the same M
     how: str                  # "measured" or "ideal replay"
     bubble: float
     transport: str = "threads"  # how the stages of a measured cell ran
+    vs_pair: Optional[float] = None  # over K=2 at the first M: the paper's own normalization
+    replayed_vs_same_m: Optional[float] = None  # the ideal replay's speedup over K=1 at the same M,
+    # on any host (with replay_all): what claims about scaling are checked on
 
     @property
     def label(self) -> str:
@@ -44,13 +52,15 @@ def throughput(record: RunRecord) -> tuple[float, str, float]:
 
 
 def measure_table(base: RunConfig, stages: Iterable[int] = (1, 2, 4, 8), micro: Iterable[int] = (1, 4, 32),
-                  progress: Optional[Callable[[str], None]] = None) -> Iterator[Cell]:
+                  progress: Optional[Callable[[str], None]] = None, replay_all: bool = False) -> Iterator[Cell]:
     """Yield the cells of the grid as they are measured (K=1 first at each M, since the others are
     normalized to it). K larger than the model's layers, or M larger than the batch, is left out.
     With `base.transport="processes"` the cells the host can measure run one process per stage;
-    K=1 (one stage, nothing crosses) and the replayed cells run their steps as threads."""
+    K=1 (one stage, nothing crosses) and the replayed cells run their steps as threads. With
+    `replay_all`, every cell also gets its ideal replay's speedup, whatever the host."""
     stages, micro = list(stages), list(micro)
     single: dict[tuple[int, str], float] = {}  # (M, how) -> K=1 samples/s
+    pair: dict[str, float] = {}                # how -> K=2 samples/s at the first M (measured and replayed)
     for m in micro:
         if m > base.batch:
             continue
@@ -60,31 +70,40 @@ def measure_table(base: RunConfig, stages: Iterable[int] = (1, 2, 4, 8), micro: 
             if progress is not None:
                 progress(f"K={k}, M={m}")
             transport = base.transport if 1 < k <= parallel_devices(base) else "threads"
-            record = run(base.but(stages=k, micro_batches=m, transport=transport), replay=True)
+            record = run(base.but(stages=k, micro_batches=m, transport=transport), replay="always" if replay_all else True)
             rate, how, bubble = throughput(record)
+            replayed = base.batch / replay.of_record(record, "ideal replay").makespan
             if k == 1:
                 single[(m, "measured")] = rate
-                single[(m, "ideal replay")] = base.batch / replay.of_record(record, "ideal replay").makespan
+                single[(m, "ideal replay")] = replayed
+            if k == 2 and m == micro[0]:
+                pair["ideal replay"] = replayed
+                if how == "measured":
+                    pair["measured"] = rate
             if k in stages:
                 first = micro[0] if (micro[0], how) in single else m
-                yield Cell(k, m, rate, rate / single[(first, how)], rate / single[(m, how)], how, bubble, transport)
+                yield Cell(k, m, rate, rate / single[(first, how)], rate / single[(m, how)], how, bubble, transport,
+                           rate / pair[how] if how in pair else None,
+                           replayed / single[(m, "ideal replay")] if replay_all else None)
 
 
 def table(base: RunConfig, stages: Iterable[int] = (1, 2, 4, 8), micro: Iterable[int] = (1, 4, 32),
-          progress: Optional[Callable[[str], None]] = None) -> list[Cell]:
-    """All cells of `measure_table`, normalized to K=1 at the first M (the paper's K=1, M=1) and
-    to K=1 at the same M."""
-    return list(measure_table(base, stages, micro, progress))
+          progress: Optional[Callable[[str], None]] = None, replay_all: bool = False) -> list[Cell]:
+    """All cells of `measure_table`, normalized to K=1 at the first M (one device, M=1), to K=2 at
+    the first M (the paper's normalization) and to K=1 at the same M."""
+    return list(measure_table(base, stages, micro, progress, replay_all))
+
+
+def bubble_point(record: RunRecord) -> tuple[int, float, str]:
+    """(M, bubble, how) of one record: "measured (threads)" or "measured (processes)" when the host
+    ran its K stages at once, else "ideal replay" (of the task times measured alone)."""
+    _, how, bubble = throughput(record)
+    return record.micro_batches, bubble, f"measured ({record.transport})" if how == "measured" else how
 
 
 def bubble_points(base: RunConfig, micro: Iterable[int] = (1, 2, 4, 8, 16, 32)) -> list[tuple[int, float, str]]:
-    """(M, bubble, how) for each M <= batch at the configuration's K: measured or replayed."""
-    points = []
-    for m in micro:
-        if m <= base.batch:
-            _, how, bubble = throughput(run(base.but(micro_batches=m), replay=True))
-            points.append((m, bubble, how))
-    return points
+    """`bubble_point` for each M <= batch at the configuration's K."""
+    return [bubble_point(run(base.but(micro_batches=m), replay=True)) for m in micro if m <= base.batch]
 
 
 def transports(config: RunConfig, rounds: int, progress: Optional[Callable[[str], None]] = None) -> list[dict]:

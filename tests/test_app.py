@@ -140,12 +140,14 @@ def test_sweeps_fill_the_bubble_curve_and_the_speedup_table(app):
     app.button(key="measure_bubble").click().run()
     curves = [json.loads(c.proto.spec) for c in app.get("plotly_chart")]
     bubble = next(s for s in curves if s["layout"]["title"]["text"].startswith("Bubble"))
-    measured = next(t for t in bubble["data"] if t["name"] == "this host")
+    measured = next(t for t in bubble["data"] if t["name"].startswith("this host, "))
     assert measured["x"] == [1, 2, 4, 8, 16, 32]
     app.button(key="measure_speedup").click().run()
     assert not app.exception
     table = app.dataframe[-1].value
-    assert list(table.columns) == ["K", "M", "paper (TPU)", "ideal K*M/(M+K-1)", "this host", "how"]
+    assert list(table.columns) == ["K", "M", "paper Transformer-48 (vs its K=2, M=1)",
+                                   "paper AmoebaNet-D (18, 256) (vs its K=2, M=1)", "ideal K*M/(M+K-1)",
+                                   "this host vs K=2, M=1", "this host vs one device (K=1, M=1)", "how"]
     assert set(table["how"]) <= {"measured (threads)", "measured (processes)", "ideal replay"}
     assert set(table.loc[table["K"] > 2, "how"]) == {"ideal replay"}  # this host has 2 cores
 
@@ -241,3 +243,19 @@ def test_the_four_schedules_side_by_side(app):
     small(app, stages=2, micro=3, blocks=8, recompute="off")  # M=3 is not a multiple of K=2
     app.button(key="compare_schedules").click().run()
     assert any("Left out: interleaved" in w.value for w in app.warning)
+
+
+@pytest.mark.parametrize("devices", [1, 8, 16])
+def test_pages_are_right_on_hosts_of_other_sizes(app, monkeypatch, devices):
+    """What the lab reads as the host's parallel devices decides what is measured and what is replayed."""
+    monkeypatch.setenv("GPIPE_LAB_DEVICES", str(devices))
+    app.run()
+    small(app, stages=4, micro=4, batch=16, blocks=8)
+    assert not app.exception and not app.error
+    sharing = [w.value for w in app.warning if "share" in w.value]
+    assert bool(sharing) == (4 > devices)  # the note that stages share devices, only when they do
+    app.button(key="measure_speedup").click().run()
+    assert not app.exception
+    table = app.dataframe[-1].value
+    for row in table.itertuples():
+        assert row.how == ("ideal replay" if row.K > devices else "measured (threads)"), (devices, row.K, row.how)

@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from lab import charts, experiments, models, replay, theory
+from lab import charts, experiments, models, replay, speedup, theory
 from lab.experiments import RunConfig
 
 
@@ -63,9 +63,16 @@ def test_other_charts():
     memory = charts.memory_chart([dict(measured_never=4e6, measured_recompute=1e6, predicted_never=4.2e6,
                                        predicted_recompute=1.1e6)] * 2)
     assert [t.name for t in memory.data][:2] == ["measured, no recompute", "measured, recompute"]
-    table = charts.speedup_table({(2, 32): (1.7, "measured"), (8, 32): (5.9, "ideal replay")})
-    assert table.loc[1, "paper (TPU)"] == 6.3 and table.loc[1, "how"] == "ideal replay"
-    assert charts.paper_table().loc["M=4", "K=8"] == 4.8
+    from lab.speedup import Cell
+    table = charts.speedup_table([Cell(8, 32, 100.0, 5.9, 4.1, "ideal replay", 0.2, "threads", 4.4),
+                                  Cell(2, 32, 50.0, 1.7, 1.6, "measured", 0.05, "processes", 1.3)])
+    assert list(table["K"]) == [2, 8] and list(table["how"]) == ["measured (processes)", "ideal replay"]
+    assert table.loc[1, "paper Transformer-48 (vs its K=2, M=1)"] == 6.3
+    assert table.loc[1, "paper AmoebaNet-D (18, 256) (vs its K=2, M=1)"] == 3.48
+    assert table.loc[1, "this host vs K=2, M=1"] == 4.4 and table.loc[1, "this host vs one device (K=1, M=1)"] == 5.9
+    assert charts.paper_table().loc["M=4", "Transformer-48 K=8"] == 4.8
+    assert charts.paper_table().loc["M=32", "AmoebaNet-D K=8"] == 3.48
+    assert charts.paper_table3().loc["Transformer-24", "K=8"] == 3.3
 
 
 @pytest.mark.parametrize("changes,words", [
@@ -108,6 +115,26 @@ def test_replay_uses_tasks_timed_alone_when_stages_outnumber_cores():
     assert record.solo_events is not None and record.notes
     line = replay.of_record(record, "ideal replay")
     assert line.label == "ideal replay of tasks timed alone" and len(line.bars) == len(record.events)
+
+
+def test_mean_cost_replays_separate_imbalance_from_jitter():
+    record = experiments.run(RunConfig(model="mlp", blocks=4, width=32, batch=16, stages=4, micro_batches=8,
+                                       checkpoint="never"), replay="always")
+    equal = replay.with_mean_costs(record, per_stage=False)
+    assert equal.bubble == pytest.approx(theory.bubble(4, 8))   # equal stages: exactly the formula
+    each = replay.with_mean_costs(record, per_stage=True)
+    assert each.bubble >= equal.bubble - 1e-9 and "each stage's mean" in each.label
+    # the last stage computes the loss, the first no input gradient: per-stage means differ
+    assert len({round(b, 9) for b in each.busy}) > 1
+
+
+def test_bubble_point_says_how_it_was_obtained(monkeypatch):
+    config = RunConfig(model="mlp", blocks=4, width=32, batch=16, stages=4, micro_batches=4)
+    monkeypatch.setenv("GPIPE_LAB_DEVICES", "1")
+    assert speedup.bubble_point(experiments.run(config, replay=True))[2] == "ideal replay"
+    monkeypatch.setenv("GPIPE_LAB_DEVICES", "8")
+    micro, bubble, how = speedup.bubble_point(experiments.run(config, replay=True))
+    assert (micro, how) == (4, "measured (threads)") and 0 < bubble < 1
 
 
 def test_balance_by_time_evens_out_the_uneven_cnn():

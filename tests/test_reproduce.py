@@ -21,9 +21,13 @@ def test_speedup_quick_writes_labelled_tables(tmp_path, capsys):
     assert {r["how"] for r in rows if r["K"] == "4"} == {"ideal replay"}
     assert all(float(r["speedup vs K=1, same M"]) > 0 for r in rows)
     assert [r["speedup vs K=1, same M"] for r in rows if r["K"] == "1"] == ["1.0", "1.0"]
-    assert next(r for r in rows if (r["K"], r["M"]) == ("4", "4"))["paper"] == "3.2"
+    four = next(r for r in rows if (r["K"], r["M"]) == ("4", "4"))
+    assert four["paper Transformer (vs K=2,M=1)"] == "3.2" and four["paper AmoebaNet (vs K=2,M=1)"] == "1.26"
+    assert next(r for r in rows if (r["K"], r["M"]) == ("2", "1"))["vs K=2,M=1"] == "1.0"
+    assert float(four["vs K=2,M=1"]) > 0   # a replayed cell: normalized to the replayed K=2, M=1
     markdown = (tmp_path / "speedup.md").read_text()
     assert "# command: python -m lab.reproduce" in markdown and "# host:" in markdown and "| K | M |" in markdown
+    assert "checkpoint always" in markdown   # one recompute setting for the whole table, said
     assert "<html>" in (tmp_path / "speedup.html").read_text()[:1000].lower()
     out = capsys.readouterr().out
     assert out.rstrip().endswith(markdown.rstrip().splitlines()[-1])  # the markdown table is printed last

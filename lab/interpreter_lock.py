@@ -1,0 +1,63 @@
+"""Why stages as threads of one Python process overlap badly on small models: the interpreter
+lock. Pure-Python work in two threads takes turns; in two processes it runs at once. Measured
+here, not asserted: the same loop run once, in 2 threads and in 2 processes."""
+from __future__ import annotations
+
+import threading
+import time
+
+import torch.multiprocessing as mp
+
+from engine.device import cpu_cores
+
+
+def spin(count: int) -> tuple[float, float]:
+    """Pure-Python work (a counting loop); (start, end) on the monotonic clock every process shares."""
+    start = time.perf_counter()
+    total = 0
+    for i in range(count):
+        total += i
+    return start, time.perf_counter()
+
+
+def _spin_after(barrier, count: int, spans) -> None:
+    barrier.wait()
+    spans.put(spin(count))
+
+
+def python_in_parallel(count: int = 5_000_000) -> dict:
+    """Seconds the loop takes alone, in 2 threads of this process and in 2 spawned processes
+    (from the first start to the last end), and each over alone: about 2 for threads on any host,
+    about 1 for processes when the host has 2 free cores (the cores this process may use are
+    reported too)."""
+    spin(count // 10)  # warm-up
+    start, end = spin(count)
+    alone = end - start
+    spans: list[tuple[float, float]] = []
+    barrier = threading.Barrier(2)
+
+    def spin_after_barrier() -> None:
+        barrier.wait()
+        spans.append(spin(count))
+    threads = [threading.Thread(target=spin_after_barrier) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    in_threads = max(e for _, e in spans) - min(s for s, _ in spans)
+    context = mp.get_context("spawn")
+    queue = context.Queue()
+    meeting = context.Barrier(2)
+    workers = [context.Process(target=_spin_after, args=(meeting, count, queue), daemon=True) for _ in range(2)]
+    for worker in workers:
+        worker.start()
+    try:
+        spans = [queue.get(timeout=120) for _ in workers]
+    finally:
+        for worker in workers:
+            worker.join(timeout=10)
+            if worker.is_alive():
+                worker.kill()
+    in_processes = max(e for _, e in spans) - min(s for s, _ in spans)
+    return {"cores": cpu_cores(), "alone (s)": alone, "2 threads (s)": in_threads, "2 processes (s)": in_processes,
+            "2 threads / alone": in_threads / alone, "2 processes / alone": in_processes / alone}

@@ -1,0 +1,89 @@
+"""The lessons' checks accept right answers and explain wrong ones specifically."""
+import pytest
+import torch
+from torch.utils.checkpoint import checkpoint
+
+from lab import exercises
+from lab.exercises import Feedback
+
+
+def test_right_answers_pass():
+    assert exercises.check_training_bytes(lambda p: 16 * p).startswith("✓")
+    assert exercises.check_naive_bubble(lambda k: (k - 1) / k).startswith("✓")
+    assert exercises.check_bubble(lambda k, m: (k - 1) / (m + k - 1)).startswith("✓")
+    assert exercises.check_ideal_speedup(lambda k, m: k * m / (m + k - 1)).startswith("✓")
+    assert exercises.check_fill_drain(lambda k, m: [[f"F{i}" for i in range(m)] + [f"B{i}" for i in reversed(range(m))]
+                                                    for _ in range(k)]).startswith("✓")
+    assert exercises.check_checkpointed_stage(lambda block, x: checkpoint(block, x, use_reentrant=False)).startswith("✓")
+    assert exercises.check_in_flight(lambda k, s: k - s).startswith("✓")
+    assert exercises.check_boundary_bytes(lambda n, b: 2 * n * b).startswith("✓")
+
+    def accumulate(model, x, y, loss_fn, micro):
+        for xs, ys in zip(x.chunk(micro), y.chunk(micro)):
+            (loss_fn(model(xs), ys) / micro).backward()
+    assert exercises.check_accumulation(accumulate).startswith("✓")
+    from engine.balance import solve
+    assert exercises.check_best_cut(solve).startswith("✓")
+
+
+@pytest.mark.parametrize("check,wrong,words", [
+    (exercises.check_training_bytes, lambda p: 8 * p, "Adam adds two moments"),
+    (exercises.check_naive_bubble, lambda k: 1 / k, "share of time a stage works"),
+    (exercises.check_bubble, lambda k, m: m / (m + k - 1), "busy"),
+    (exercises.check_bubble, lambda k, m: (k - 1) / m, "you divided by M"),
+    (exercises.check_bubble, lambda k, m: (k - 1) / (m + k), "off by one"),
+    (exercises.check_bubble, lambda k, m: ..., "replace the `...`"),
+    (exercises.check_ideal_speedup, lambda k, m: k, "forgets the bubble"),
+    (exercises.check_fill_drain, lambda k, m: [[f"F{i}" for i in range(m)] + [f"B{i}" for i in range(m)]
+                                               for _ in range(k)], "last micro-batch first"),
+    (exercises.check_fill_drain, lambda k, m: [[t for i in range(m) for t in (f"F{i}", f"B{i}")] for _ in range(k)],
+     "all forwards come before any backward"),
+    (exercises.check_checkpointed_stage, lambda block, x: block(x), "use_reentrant=False"),
+    (exercises.check_in_flight, lambda k, s: k - 1 - s, "one more is held"),
+    (exercises.check_boundary_bytes, lambda n, b: n * b, "their gradients"),
+    (exercises.check_best_cut, lambda costs, k: [len(costs) - k + 1] + [1] * (k - 1), "gets the costliest stage down"),
+])
+def test_wrong_answers_get_specific_feedback(check, wrong, words):
+    with pytest.raises(Feedback, match=words):
+        check(wrong)
+
+
+def test_forgetting_the_one_over_m_is_named():
+    def unscaled(model, x, y, loss_fn, micro):
+        for xs, ys in zip(x.chunk(micro), y.chunk(micro)):
+            loss_fn(model(xs), ys).backward()
+    with pytest.raises(Feedback, match="4 times too large.*1/M"):
+        exercises.check_accumulation(unscaled)
+    torch.manual_seed(0)
+
+
+def test_first_pipe_and_plan_checks():
+    from torch import nn
+    from lab.api import GPipe
+    from lab import fit
+    from lab.experiments import RunConfig
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 2))
+    pipe = GPipe(model, balance=3, chunks=6)
+    with pytest.raises(Feedback, match="has not run a step"):
+        exercises.check_first_pipe(pipe)
+    pipe.step(torch.randn(12, 4), torch.randint(0, 2, (12,)), nn.CrossEntropyLoss())
+    assert exercises.check_first_pipe(pipe).startswith("✓ 51 tasks ran on 3 stages over 6 micro-batches")  # 3 x (6 F + 5 R + 6 B)
+    with pytest.raises(Feedback, match="2 stages"):
+        exercises.check_first_pipe(GPipe(model, balance=2, chunks=6))
+    with pytest.raises(Feedback, match="build it with GPipe"):
+        exercises.check_first_pipe(model)
+
+    base = RunConfig(model="transformer", blocks=2, width=16, batch=8)
+    one = fit.plan(base, 0, stages=(1,), micro=(1,), checkpoints=("never",))[0]["predicted bytes (most loaded stage)"]
+    rows = fit.plan(base, int(0.4 * one), stages=(1, 2, 4), micro=(1, 2, 4))
+    best = min((r for r in rows if r["fits (predicted)"]), key=lambda r: r["time vs one device (theory)"])
+    assert exercises.check_plan(dict(stages=best["K"], micro_batches=best["M"], checkpoint=best["checkpoint"]),
+                                rows).startswith("✓")
+    with pytest.raises(Feedback, match="over the budget"):
+        exercises.check_plan(dict(stages=1, micro_batches=1, checkpoint="never"), rows)
+    slow = next(r for r in rows if r["fits (predicted)"] and r["time vs one device (theory)"] > 1.05 *
+                best["time vs one device (theory)"])
+    with pytest.raises(Feedback, match="more micro-batches shrink the bubble"):
+        exercises.check_plan(dict(stages=slow["K"], micro_batches=slow["M"], checkpoint=slow["checkpoint"]), rows)
+    with pytest.raises(Feedback, match="keys"):
+        exercises.check_plan(dict(stages=4), rows)
