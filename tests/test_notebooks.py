@@ -1,5 +1,9 @@
-"""Every notebook runs end to end (small sizes, GPIPE_LAB_QUICK=1) and is committed without outputs."""
+"""Every notebook runs end to end (small sizes, GPIPE_LAB_QUICK=1) with each "your turn" cell
+filled in with its folded answer, so the checks that judge a learner's code are themselves run;
+the notebooks whose claims depend on the host's size also run as if the host had 1, 8 or 16
+parallel devices. They are committed without outputs."""
 import json
+import re
 from pathlib import Path
 
 import nbformat
@@ -7,29 +11,86 @@ import pytest
 from nbclient import NotebookClient
 
 NOTEBOOKS = sorted((Path(__file__).resolve().parent.parent / "notebooks").glob("*.ipynb"))
+HOST_SIZES = [("03_micro_batches_fill_the_pipe", "1"), ("03_micro_batches_fill_the_pipe", "16"),
+              ("04_speedup_table", "1"), ("04_speedup_table", "8"),
+              ("08_what_came_next", "16")]
 
 
-def test_there_are_eight_numbered_notebooks():
-    assert [p.name[:3] for p in NOTEBOOKS] == [f"{i:02d}_" for i in range(1, 9)]
+def tagged(cell, tag: str) -> bool:
+    return tag in cell.metadata.get("tags", [])
 
 
-@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
-def test_committed_without_outputs(path):
-    notebook = json.loads(path.read_text())
-    for cell in notebook["cells"]:
-        if cell["cell_type"] == "code":
-            assert cell["outputs"] == [] and cell["execution_count"] is None
+def answered(notebook):
+    """The notebook with each "your-turn" cell replaced by the code of the folded answer after it."""
+    cells = notebook.cells
+    for i, cell in enumerate(cells):
+        if tagged(cell, "your-turn"):
+            answer = next(c for c in cells[i + 1:] if tagged(c, "answer"))
+            cell.source = re.search(r"```python\n(.*?)\n```", answer.source, re.S).group(1)
+    return notebook
 
 
-@pytest.mark.timeout(900)
-@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
-def test_runs_end_to_end(path, monkeypatch):
+def execute(path: Path, monkeypatch, devices: str = None):
     monkeypatch.setenv("GPIPE_LAB_QUICK", "1")
-    notebook = nbformat.read(path, as_version=4)
+    if devices:
+        monkeypatch.setenv("GPIPE_LAB_DEVICES", devices)
+    notebook = answered(nbformat.read(path, as_version=4))
     NotebookClient(notebook, timeout=300, kernel_name="python3",
                    resources={"metadata": {"path": str(path.parent)}}).execute()
     errors = [o for c in notebook.cells if c.cell_type == "code" for o in c.outputs if o.output_type == "error"]
     assert not errors
-    text = "".join(c.source for c in notebook.cells if c.cell_type == "markdown")
-    assert "<details>" in text and "After this notebook you can" in text
-    assert any("assert" in c.source for c in notebook.cells if c.cell_type == "code")
+    return notebook
+
+
+def test_the_numbered_notebooks():
+    assert [p.name[:3] for p in NOTEBOOKS] == [f"{i:02d}_" for i in range(0, 11)]
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+def test_committed_without_outputs_and_shaped_as_a_lesson(path):
+    notebook = json.loads(path.read_text())
+    for cell in notebook["cells"]:
+        if cell["cell_type"] == "code":
+            assert cell["outputs"] == [] and cell["execution_count"] is None
+    cells = nbformat.reads(path.read_text(), as_version=4).cells
+    assert cells[1].source == "from lab_setup import *  # the project on the path, QUICK for CI, display helpers " \
+                              "(notebooks/lab_setup.py)"
+    text = "".join(c.source for c in cells if c.cell_type == "markdown")
+    assert "After this notebook you can" in text and "Check your understanding" in text
+    assert text.count("<details>") >= 4, "predict prompts and questions carry folded answers"
+    assert any("assert" in c.source and "Claims of this notebook" in c.source for c in cells if c.cell_type == "code")
+    for i, cell in enumerate(cells):
+        if tagged(cell, "your-turn"):
+            answer = next((c for c in cells[i + 1:] if tagged(c, "answer")), None)
+            assert answer is not None and "<details>" in answer.source and "```python" in answer.source
+            assert "check_" in cells[cells.index(answer) + 1].source, "a check cell follows every answer"
+
+
+def test_most_notebooks_are_labs():
+    turns = [p.stem for p in NOTEBOOKS if any(tagged(c, "your-turn") for c in nbformat.read(p, as_version=4).cells)]
+    assert len(turns) >= 8, turns
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+def test_runs_end_to_end_with_the_answers(path, monkeypatch):
+    notebook = execute(path, monkeypatch)
+    checks = [c for c in notebook.cells if c.cell_type == "code" and "exercises.check_" in c.source]
+    for cell in checks:
+        printed = "".join(o.get("text", "") for o in cell.outputs if o.output_type == "stream")
+        assert printed.startswith("✓"), f"the folded answer should pass its check: {printed!r}"
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("stem,devices", HOST_SIZES, ids=[f"{s[:2]}-{d}-devices" for s, d in HOST_SIZES])
+def test_runs_on_other_host_sizes(stem, devices, monkeypatch):
+    execute(next(p for p in NOTEBOOKS if p.stem == stem), monkeypatch, devices)
+
+
+def test_an_unanswered_turn_gets_feedback_not_a_crash():
+    from lab import exercises
+
+    def bubble(K, M):
+        ...
+    with pytest.raises(exercises.Feedback, match="replace the `...`"):
+        exercises.check_bubble(bubble)
