@@ -158,7 +158,8 @@ def run(width: int, layers: int, batch: int, rounds: int, checkpoint: str, pool:
         "dropout seed=0": engine_step(dropout_model, 2, 32, 1, checkpoint=checkpoint, seed=0),
     })
     times = measure(steps, x, y, rounds)
-    times.update(measure_small(pool, small, rounds))
+    small_times, small_traces = measure_small(pool, small, rounds)
+    times.update(small_times)
     rate = {name: batch / statistics.median(t) for name, t in times.items() if not name.startswith("small")}
     one_core = "K=1 M=32 1 thread(s)"
     best = max(single, key=rate.get)
@@ -175,6 +176,11 @@ def run(width: int, layers: int, batch: int, rounds: int, checkpoint: str, pool:
          f"**{ratio(times, 'small K=2 processes', 'small K=1')}**", ">= 1.4x"),
         ("small model: K=2 threads over K=1", ratio(times, 'small K=2 threads', 'small K=1'),
          "the interpreter lock: threads of one process barely overlap"),
+        ("small model: step at K=1, K=2 threads, K=2 processes",
+         ", ".join(f"{statistics.median(times[name]) * 1e3:.1f} ms"
+                   for name in ("small K=1", "small K=2 threads", "small K=2 processes")), "medians"),
+        ("small model, processes: stage-thread time per message", per_message(small_traces),
+         "medians over the steps' traces; 2 messages per micro-batch and cut"),
         ("ceiling: both halves on 2 threads, no pipeline", ratio(times, 'ceiling', one_core),
          "what 2 cores of this host give with no data dependencies"),
         ("ceiling: the step's bare matrix products on 2 threads vs 1",
@@ -196,10 +202,29 @@ def measure_small(pool: ProcessPool, small: dict, rounds: int) -> dict[str, list
     width, layers, batch, chunks = small["width"], small["layers"], small["batch"], small["chunks"]
     x, y = torch.randn(batch, width), torch.randn(batch, width)
     model = uniform_mlp(width, layers)
+    in_processes = process_step(pool, width, layers, chunks, checkpoint="never", threads_per_stage=1)
+    traces = []
+
+    def traced(x, y):
+        seconds = in_processes(x, y)
+        traces.append(pool.trace)
+        return seconds
     steps = {"small K=1": engine_step(model, 1, chunks, 1, checkpoint="never"),
              "small K=2 threads": engine_step(model, 2, chunks, 1, checkpoint="never"),
-             "small K=2 processes": process_step(pool, width, layers, chunks, checkpoint="never", threads_per_stage=1)}
-    return measure(steps, x, y, rounds * 3)  # short steps: more rounds for the same confidence
+             "small K=2 processes": traced}
+    times = measure(steps, x, y, rounds * 3)  # short steps: more rounds for the same confidence
+    return times, traces
+
+
+def per_message(traces: list) -> str:
+    """What a message costs the stage threads of a step in processes, next to what a task takes:
+    medians over the given traces, in microseconds."""
+    def median_us(durations) -> float:
+        return statistics.median(durations) * 1e6
+    sends = [m.end - m.start for t in traces for m in t.messages if m.direction == "send"]
+    reads = [m.end - m.start for t in traces for m in t.messages if m.direction == "receive"]
+    tasks = [e.end - e.start for t in traces for e in t.events]
+    return f"sending {median_us(sends):.0f} us, reading {median_us(reads):.0f} us; a task {median_us(tasks):.0f} us"
 
 
 def format_table(rows: list[tuple[str, str, str]]) -> str:
