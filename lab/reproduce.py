@@ -117,6 +117,11 @@ def check(args: argparse.Namespace) -> None:
 
 # --- configurations ----------------------------------------------------------------------------
 
+def model_line(base: RunConfig) -> str:
+    """The header line that says which zoo model a table trained, and at what size."""
+    return f"# model {base.model}: {base.blocks} blocks ({base.layers} layers), width {base.width}, batch {base.batch}"
+
+
 def speedup_config(args) -> RunConfig:
     """The model each speedup cell trains: 8 layers, so K runs up to 8."""
     quick = args.quick
@@ -297,18 +302,15 @@ def run_command(name: str, args, rows_of: Callable, out: Path) -> list[dict]:
                      f"width {base.width}, batch {base.batch}, M {base.micro_batches}")
     if name == "speedup":
         base = speedup_config(args)
-        lines.append(f"# model {base.model}: {base.blocks} blocks ({base.layers} layers), width {base.width}, "
-                     f"batch {base.batch}, checkpoint {base.checkpoint}, device {base.device}, stages as "
+        lines.append(f"{model_line(base)}, checkpoint {base.checkpoint}, device {base.device}, stages as "
                      f"{base.transport} (K=1 and replayed cells: threads)")
     if name == "schedules":
         base = schedules_config(args)
-        lines.append(f"# model {base.model}: {base.blocks} blocks ({base.layers} layers), width {base.width}, "
-                     f"batch {base.batch}, K={base.stages}, M in {schedules_micro_batches(args)}, interleaved "
+        lines.append(f"{model_line(base)}, K={base.stages}, M in {schedules_micro_batches(args)}, interleaved "
                      f"v={args.virtual}, checkpoint never")
     if name == "transports":
         base = transports_config(args)
-        lines.append(f"# model {base.model}: {base.blocks} blocks ({base.layers} layers), width {base.width}, "
-                     f"batch {base.batch}, K={base.stages}, M={base.micro_batches}, checkpoint {base.checkpoint}, "
+        lines.append(f"{model_line(base)}, K={base.stages}, M={base.micro_batches}, checkpoint {base.checkpoint}, "
                      f"{1 if args.quick else args.rounds} round(s)")
     if name == "peers":
         work, micros, rounds = peers_workload(args)
