@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import threading
 import time
+from queue import SimpleQueue
 
 import torch.multiprocessing as mp
 
@@ -21,8 +22,14 @@ def spin(count: int) -> tuple[float, float]:
 
 
 def _spin_after(barrier, count: int, spans) -> None:
+    """Wait for the other worker, then spin and put (start, end) into `spans`."""
     barrier.wait()
     spans.put(spin(count))
+
+
+def _span(spans: list[tuple[float, float]]) -> float:
+    """Seconds from the first start to the last end."""
+    return max(e for _, e in spans) - min(s for s, _ in spans)
 
 
 def python_in_parallel(count: int = 5_000_000) -> dict:
@@ -33,31 +40,24 @@ def python_in_parallel(count: int = 5_000_000) -> dict:
     spin(count // 10)  # warm-up
     start, end = spin(count)
     alone = end - start
-    spans: list[tuple[float, float]] = []
-    barrier = threading.Barrier(2)
-
-    def spin_after_barrier() -> None:
-        barrier.wait()
-        spans.append(spin(count))
-    threads = [threading.Thread(target=spin_after_barrier) for _ in range(2)]
+    spans, barrier = SimpleQueue(), threading.Barrier(2)
+    threads = [threading.Thread(target=_spin_after, args=(barrier, count, spans)) for _ in range(2)]
     for thread in threads:
         thread.start()
     for thread in threads:
         thread.join()
-    in_threads = max(e for _, e in spans) - min(s for s, _ in spans)
+    in_threads = _span([spans.get() for _ in threads])
     context = mp.get_context("spawn")
-    queue = context.Queue()
-    meeting = context.Barrier(2)
-    workers = [context.Process(target=_spin_after, args=(meeting, count, queue), daemon=True) for _ in range(2)]
+    answers, meeting = context.Queue(), context.Barrier(2)
+    workers = [context.Process(target=_spin_after, args=(meeting, count, answers), daemon=True) for _ in range(2)]
     for worker in workers:
         worker.start()
     try:
-        spans = [queue.get(timeout=120) for _ in workers]
+        in_processes = _span([answers.get(timeout=120) for _ in workers])
     finally:
         for worker in workers:
             worker.join(timeout=10)
             if worker.is_alive():
                 worker.kill()
-    in_processes = max(e for _, e in spans) - min(s for s, _ in spans)
     return {"cores": cpu_cores(), "alone (s)": alone, "2 threads (s)": in_threads, "2 processes (s)": in_processes,
             "2 threads / alone": in_threads / alone, "2 processes / alone": in_processes / alone}
