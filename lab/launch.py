@@ -33,11 +33,12 @@ def agent_command(script_args: list[str], port: int, rdzv_id: str, node_rank: Op
 
 
 def two_nodes(script_args: list[str], rdzv_id: str, timeout: float, done: Callable[[], bool] = lambda: False,
-              env: Optional[dict] = None) -> list[str]:
-    """Run two torchrun agents on this machine until `done()` or both exit, at most `timeout`
-    seconds; then stop both and everything they started (an agent whose peer died may otherwise
-    sit in torchrun's exit barrier for minutes). Returns each agent's output."""
-    port = free_port()
+              env: Optional[dict] = None, port: Optional[int] = None) -> list[str]:
+    """Run two torchrun agents on this machine, meeting at `port` (a free one by default), until
+    `done()` or both exit, at most `timeout` seconds; then stop both and everything they started
+    (an agent whose peer died may otherwise sit in torchrun's exit barrier for minutes). Returns
+    each agent's output."""
+    port = port or free_port()
     logs = [tempfile.TemporaryFile("w+") for _ in range(2)]
     nodes = [subprocess.Popen(agent_command(script_args, port, rdzv_id), cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
                               text=True, start_new_session=True, env={**os.environ, **(env or {})}) for log in logs]
@@ -65,8 +66,9 @@ def train_on_two_nodes(train_args: list[str], timeout: float = 180.0) -> dict:
     with tempfile.TemporaryDirectory() as folder:
         path = Path(folder) / "trace.json"
         args = ["-m", "lab.train", *train_args, "--trace-out", str(path)]
-        outputs = two_nodes(args, "gpipe-lab-two-nodes", timeout)
+        port, rdzv_id = free_port(), "gpipe-lab-two-nodes"
+        outputs = two_nodes(args, rdzv_id, timeout, port=port)
         if not path.exists():
             raise RuntimeError("the two-node run wrote no trace; the agents printed:\n" + "\n".join(outputs))
         trace = json.loads(path.read_text())
-    return {**trace, "outputs": outputs, "command": shlex.join(agent_command(args, 0, "gpipe-lab-two-nodes"))}
+    return {**trace, "outputs": outputs, "command": shlex.join(agent_command(args, port, rdzv_id))}
