@@ -162,7 +162,9 @@ def parallel_devices(config: RunConfig) -> int:
     GPIPE_LAB_DEVICES=n pretends it is n (to check lessons and pages for other hosts on this one)."""
     pretend = os.environ.get("GPIPE_LAB_DEVICES")
     if pretend:
-        return max(1, int(pretend))
+        if not pretend.isdigit() or int(pretend) < 1:
+            raise ValueError(f"GPIPE_LAB_DEVICES={pretend!r}: expected a whole number of devices, at least 1")
+        return int(pretend)
     if config.device == "cuda":
         return torch.cuda.device_count()
     return max(1, cpu_cores() // config.threads_per_stage)

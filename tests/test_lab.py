@@ -128,6 +128,13 @@ def test_mean_cost_replays_separate_imbalance_from_jitter():
     assert len({round(b, 9) for b in each.busy}) > 1
 
 
+@pytest.mark.parametrize("value", ["two", "0", "-1"])
+def test_a_bad_host_size_override_is_explained(monkeypatch, value):
+    monkeypatch.setenv("GPIPE_LAB_DEVICES", value)
+    with pytest.raises(ValueError, match=f"GPIPE_LAB_DEVICES='{value}': expected a whole number of devices"):
+        experiments.parallel_devices(RunConfig())
+
+
 def test_bubble_point_says_how_it_was_obtained(monkeypatch):
     config = RunConfig(model="mlp", blocks=4, width=32, batch=16, stages=4, micro_batches=4)
     monkeypatch.setenv("GPIPE_LAB_DEVICES", "1")
