@@ -11,6 +11,7 @@ from typing import Callable
 import torch
 from torch import nn
 
+from engine import GPipe
 from engine.balance import solve
 from engine.memory import ActivationLedger
 from engine.schedule import gpipe
@@ -145,7 +146,6 @@ def check_checkpointed_stage(fn: Callable[[nn.Module, torch.Tensor], torch.Tenso
 
 def _engine_recompute(block: nn.Module, x: torch.Tensor) -> tuple[list[torch.Tensor], int]:
     """Weight gradients of sum(block(x)) from the engine with recompute, and its activation peak."""
-    from engine import GPipe
     block.zero_grad()
     pipe = GPipe(block, 1, chunks=4, checkpoint="always")
     try:
@@ -226,7 +226,6 @@ def check_boundary_bytes(fn: Callable[[int, float], float]) -> str:
 
 def check_first_pipe(pipe) -> str:
     """A pipe of 3 stages and 6 micro-batches over the learner's own model, after one step."""
-    from engine import GPipe
     if not isinstance(pipe, GPipe):
         raise Feedback(f"my_pipe is {type(pipe).__name__}: build it with GPipe(model, balance=..., chunks=...)")
     if pipe.stages != 3:
