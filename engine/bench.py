@@ -22,7 +22,7 @@ from torch import nn
 
 from .device import cpu_cores, keep_freed_cpu_memory
 from .pipe import GPipe
-from .pool import ProcessPool
+from .distributed.pool import ProcessPool
 
 
 def uniform_mlp(width: int, layers: int, dropout: float = 0.0, seed: int = 0) -> nn.Sequential:

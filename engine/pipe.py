@@ -1,25 +1,21 @@
 """GPipe: pipeline-parallel training of an nn.Sequential over K stages and M micro-batches."""
 from __future__ import annotations
 
-import time
-import weakref
 from typing import Callable, Optional, Sequence, Union
 
 import torch
 from torch import nn
 
-from . import distributed, schedule as schedules
-from .device import StageDevice, check_device, cpu_cores, one_per_stage, resolve_devices
-from .memory import ActivationLedger
-from .microbatch import Value, check_inputs, check_targets, gather, scatter
+from . import schedule as schedules
+from .call import Call, Decision, micro_batch_sizes
+from .chunk import Chunk
+from .device import StageDevice, cpu_cores, resolve_devices
+from .microbatch import Value, check_inputs, check_targets, scatter
 from .partition import check_module, resolve_balance, split
-from .rank import RankRunner
 from .rng import mix_seed
-from .stage import Stage, StepPlan
-from .trace import Event, StageMemory, Trace
-from .worker import StageThreads, run_schedule, run_serially
-
-EventCallback = Optional[Callable[[Event], None]]
+from .runner import EventCallback, ThreadRunner
+from .stages import LocalStages
+from .trace import Trace
 
 
 class GPipe(nn.Module):
@@ -48,22 +44,14 @@ class GPipe(nn.Module):
         super().__init__()
         check_module(module)
         self.schedule = schedules.check_schedule(schedule)
-        self.virtual_stages = _check_virtual(virtual_stages, schedule)
-        self.balance = _chunk_balance(balance, len(module), self.virtual_stages)
-        self.stages = stages = len(self.balance) // self.virtual_stages
+        schedules.check_layout(schedule, 1, None, virtual_stages)
+        self.virtual_stages = virtual_stages
+        self.balance = _chunk_balance(balance, len(module), virtual_stages, schedule)
+        self.stages = stages = len(self.balance) // virtual_stages
         if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
             raise ValueError(f"chunks={chunks!r}: expected an int >= 1 (micro-batches per mini-batch)")
-        if schedule == "interleaved" and chunks % stages:
-            raise ValueError(f"schedule='interleaved' needs chunks (M) to be a multiple of the {stages} stages, as "
-                             f"Megatron-LM requires; got chunks={chunks}")
-        self.chunks = chunks
-        self._ranks = None if group is None else distributed.check_group(group, stages)
-        workers = range(stages) if self._ranks is None else [self._ranks.rank]
-        if self._ranks is None:
-            self.devices = resolve_devices(devices, stages)
-        else:
-            self.devices = [distributed.default_device() if devices is None else
-                            check_device(one_per_stage(devices, stages)[self._ranks.rank], self._ranks.rank)]
+        schedules.check_layout(schedule, stages, chunks, virtual_stages)
+        self.chunks = chunks  # torchgpipe's name for the number of micro-batches, M
         self.checkpoint = schedules.check_checkpoint_mode(checkpoint)
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
             raise TypeError(f"seed={seed!r}: expected an int or None")
@@ -75,41 +63,41 @@ class GPipe(nn.Module):
         self.threads_per_stage = threads_per_stage
         self.record_memory = record_memory
         self.deferred_batch_norm = deferred_batch_norm
+        if group is None:
+            self.rank = None
+            self.devices = resolve_devices(devices, stages)
+            placed = dict(enumerate(self.devices))
+        else:  # the process path is a plug-in: imported only by pipes that run one stage per process
+            from .distributed.runner import place
+            self.rank, device = place(group, stages, devices)
+            self.devices = [device]
+            placed = {self.rank: device}
         partitions = split(module, self.balance)
         count = len(partitions)
         firsts = [sum(self.balance[:c]) for c in range(count)]
-        self._devices = {worker: StageDevice(device, threads_per_stage) for worker, device in zip(workers, self.devices)}
-        self._chunks: dict[int, Stage] = {}
-        for worker, stage_device in self._devices.items():
-            for c in range(worker, count, stages):
+        stage_devices = {stage: StageDevice(device, threads_per_stage) for stage, device in placed.items()}
+        chunk_map: dict[int, Chunk] = {}
+        for stage, stage_device in stage_devices.items():
+            for c in range(stage, count, stages):
                 partitions[c].to(stage_device.device)
-                self._chunks[c] = Stage(c, count, partitions[c], firsts[c], stage_device, deferred_batch_norm, worker)
-        if self._ranks is not None:
-            _release_all_but(module, nn.ModuleList([partitions[c] for c in self._chunks]))
-        self.local_chunks = sorted(self._chunks)  # the chunks this process runs, in model order
+                chunk_map[c] = Chunk(c, count, partitions[c], firsts[c], stage_device, deferred_batch_norm, stage)
+        self.local_chunks = sorted(chunk_map)  # the chunks this process runs, in model order
         self.partitions = nn.ModuleList([partitions[c] for c in self.local_chunks])
+        self._local = LocalStages(chunk_map, stage_devices, count)
+        if group is None:
+            self._runner = ThreadRunner(self._local, stages)
+        else:
+            from .distributed.runner import RankRunner
+            _release_all_but(module, self.partitions)
+            self._runner = RankRunner(self._local, group, stages, wraps=virtual_stages > 1)
         self.steps_done = 0
         self.trace = Trace(stages=stages, checkpoint=checkpoint)
-        self._threads: Optional[StageThreads] = None  # started by the first call
-        self._runner = None
-        if self._ranks is not None:
-            rank, wraps = self._ranks.rank, self.virtual_stages > 1
-            transport = distributed.ProcessTransport(
-                self._ranks, group, self.devices[0],
-                upstream=(rank - 1) % stages if rank > 0 or wraps else None,
-                downstream=(rank + 1) % stages if rank < stages - 1 or wraps else None)
-            self._runner = RankRunner(self._ranks, self._chunks, transport)
-            self._closer = weakref.finalize(self, transport.close)
 
     def close(self) -> None:
         """Stop the stage worker threads now (they also stop when the pipe is garbage-collected);
         a later call starts new ones. With stages as processes every rank calls it (it ends the
         transport's threads on both sides of each connection), and the pipe cannot be used after."""
-        if self._threads is not None:
-            self._threads.close()
-            self._threads = None
-        if self._runner is not None:
-            self._closer()
+        self._runner.close()
 
     def step(self, inputs: Value, targets: torch.Tensor, loss_fn: Callable, *, on_event: EventCallback = None,
              serial: bool = False):
@@ -117,61 +105,30 @@ class GPipe(nn.Module):
 
         `loss_fn(output_chunk, target_chunk)` must return the mean loss of a micro-batch; each is
         weighted by its share of the mini-batch, so the gradients are those of the mean over the
-        whole mini-batch. Returns that mini-batch loss (a detached scalar on the last device).
-        `on_event`, if given, is called with each task's Event as it finishes. `serial=True` runs
-        the tasks one at a time on the calling thread (same results; each task timed alone, as
-        an ideal replay on a host with fewer cores than stages needs).
+        whole mini-batch. Returns that mini-batch loss (a detached scalar on the last device; with
+        stages as processes, on every rank). `on_event`, if given, is called with each task's Event
+        as it finishes. `serial=True` runs the tasks one at a time on the calling thread (same
+        results; each task timed alone, as an ideal replay on a host with fewer cores than stages
+        needs).
         """
-        if self._runner is not None:
-            if serial:
-                raise ValueError("serial=True runs every stage on the calling thread; with group= each rank "
-                                 "runs only its own stage")
-            loss = self._rank_call("step", inputs, targets, loss_fn, on_event)
-            self.steps_done += 1
-            return loss
-        if not callable(loss_fn):
-            raise TypeError(f"loss_fn must be callable, got {loss_fn!r}")
-        batch = check_inputs(inputs)
-        check_targets(targets, batch)
-        micro_inputs, micro_targets = scatter(inputs, self.chunks), scatter(targets, self.chunks)
-        sizes = [check_inputs(x) for x in micro_inputs]
-        count = len(micro_inputs)
-        schedule = self.task_lists(count)
-        plan = StepPlan(inputs=micro_inputs, targets=micro_targets, loss_fn=loss_fn,
-                        weights=[n / batch for n in sizes],
-                        checkpointed=[schedules.checkpointed(m, count, self.checkpoint) for m in range(count)],
-                        base_seed=self._base_seed(phase=0), training=True, record_memory=self.record_memory,
-                        split_backward=schedules.splits_backward(schedule))
-        self.steps_done += 1
-        self._run(plan, schedule, batch, "serial step" if serial else "step", on_event, serial)
-        losses = self._last_chunk.state.losses
-        loss = sum(losses[m] * plan.weights[m] for m in range(count))
-        self._forget_state()
-        return loss
+        if serial and self.rank is not None:
+            raise ValueError("serial=True runs every stage on the calling thread; with group= each rank "
+                             "runs only its own stage")
+        return self._call("step", inputs, targets, loss_fn, on_event, serial)
 
     def forward(self, inputs: Value, *extra, on_event: EventCallback = None) -> Value:
         """Forward only (inference/evaluation), pipelined over micro-batches, without graphs.
 
-        Returns the outputs of all micro-batches joined along dim 0, on the last stage's device.
-        Layers run in their own mode: after `pipe.train()` batch norm normalizes each micro-batch
-        with its own statistics and updates the running ones (with deferred batch norm, once for
-        the whole mini-batch, as nn.BatchNorm on it would); after `pipe.eval()` nothing changes.
+        Returns the outputs of all micro-batches joined along dim 0, on the last stage's device
+        (with stages as processes: on the last stage's rank, None elsewhere). Layers run in their
+        own mode: after `pipe.train()` batch norm normalizes each micro-batch with its own
+        statistics and updates the running ones (with deferred batch norm, once for the whole
+        mini-batch, as nn.BatchNorm on it would); after `pipe.eval()` nothing changes.
         """
         if extra:
             raise TypeError(f"GPipe takes one input value, got {1 + len(extra)} positional arguments; "
                             f"pass several input tensors as one tuple: pipe((a, b))")
-        if self._runner is not None:
-            return self._rank_call("forward", inputs, None, None, on_event)
-        batch = check_inputs(inputs)
-        micro_inputs = scatter(inputs, self.chunks)
-        count = len(micro_inputs)
-        plan = StepPlan(inputs=micro_inputs, targets=None, loss_fn=None, weights=[], checkpointed=[False] * count,
-                        base_seed=self._base_seed(phase=1), training=False, record_memory=False)
-        self._run(plan, self.task_lists(count, training=False), batch, "forward", on_event)
-        outputs = self._last_chunk.state.outputs
-        result = gather([outputs[m] for m in range(count)])
-        self._forget_state()
-        return result
+        return self._call("forward", inputs, None, None, on_event)
 
     def task_lists(self, micro_batches: int, training: bool = True) -> list[list[schedules.Task]]:
         """Each stage's task list for a call of `micro_batches` micro-batches."""
@@ -179,105 +136,59 @@ class GPipe(nn.Module):
             return schedules.forward_only(self.stages, micro_batches, self.virtual_stages)
         return schedules.SCHEDULES[self.schedule](self.stages, micro_batches, self.checkpoint, self.virtual_stages)
 
-    # --- internals -------------------------------------------------------------------------
+    # --- one call: decided by the first stage, planned here, run by the runner -------------------
 
-    @property
-    def _last_chunk(self) -> Stage:
-        return self._chunks[len(self.balance) - 1]
-
-    def _base_seed(self, phase: int) -> int:
-        """Seed of this call's random streams: from `seed` and the step count, or drawn from torch's RNG."""
-        if self.seed is None:
-            return int(torch.randint(0, 2 ** 62, ()).item())
-        return mix_seed(self.seed, self.steps_done, phase)
-
-    def _rank_call(self, kind: str, inputs, targets, loss_fn, on_event: EventCallback):
-        """This rank's share of a call when stages are processes (see engine/rank.py)."""
-        self._reset_device_peaks()
-        result, self.trace = self._runner.call(
-            kind, inputs, targets, loss_fn, self.chunks, self.checkpoint,
-            lambda count: self.task_lists(count, training=kind == "step"),
-            base_seed=lambda: self._base_seed(phase=0 if kind == "step" else 1), record_memory=self.record_memory,
-            start=self._start, memory_of=self._memory_of, on_event=on_event)
+    def _call(self, kind: str, inputs, targets, loss_fn, on_event: EventCallback, serial: bool = False):
+        with self._runner.calling():
+            if kind == "step" and not callable(loss_fn):
+                raise TypeError(f"loss_fn must be callable, got {loss_fn!r}")
+            decision = self._runner.agree(self._decide(kind, inputs) if self._local.runs_first else None)
+            if kind == "step":
+                self.steps_done += 1
+            call = self._plan(kind, decision, inputs, targets, loss_fn)
+            result, self.trace = self._runner.run(call, on_event, serial)
         return result
 
-    def _reset_device_peaks(self) -> None:
-        for device in set(self.devices):
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-                torch.cuda.reset_peak_memory_stats(device)
+    def _decide(self, kind: str, inputs) -> Decision:
+        """The first stage's decision: the mini-batch's size, and the base seed of the call's random
+        streams (from `seed` and the step count, or drawn from torch's RNG)."""
+        if inputs is None and self.rank is not None:
+            raise ValueError(f"inputs are missing on rank {self.rank}, which runs the first stage: pass the "
+                             f"mini-batch's inputs there (other ranks may pass None)")
+        batch = check_inputs(inputs)
+        phase = 0 if kind == "step" else 1
+        seed = int(torch.randint(0, 2 ** 62, ()).item()) if self.seed is None else \
+            mix_seed(self.seed, self.steps_done, phase)
+        return Decision(batch, seed)
 
-    def _start(self, plan: StepPlan, t0: float) -> None:
-        """Begin a call on this process's stages: time origin, and one activation ledger per stage
-        for all of its chunks."""
-        ledgers = {}
-        for worker, device in self._devices.items():
-            device.start(t0)
-            ledgers[worker] = ActivationLedger([p for stage in self._chunks.values() if stage.worker == worker
-                                                for p in stage.parameters()])
-        for stage in self._chunks.values():
-            stage.start(plan, ledgers[stage.worker])
-
-    def _run(self, plan: StepPlan, schedule, batch: int, kind: str, on_event: EventCallback,
-             serial: bool = False) -> None:
-        self._reset_device_peaks()
-        t0 = time.perf_counter()
-        self._start(plan, t0)
-        if self._threads is None and not serial:
-            self._threads = StageThreads(self.stages)
-        try:
-            if serial:
-                events = run_serially(self._chunks, schedule, on_event)
-            else:
-                events = run_schedule(self._threads, self._chunks, schedule, on_event)
-        except BaseException:
-            self._forget_state()
-            raise
-        wall = time.perf_counter() - t0
-        for stage in self._chunks.values():
-            if stage.batch_norm is not None:
-                stage.batch_norm.finish_step()
-        self.trace = Trace(stages=self.stages, micro_batches=len(plan.inputs), batch_size=batch,
-                           checkpoint=self.checkpoint, kind=kind, events=events,
-                           memory=[self._memory_of(worker) for worker in self._devices], wall=wall)
-
-    def _memory_of(self, worker: int) -> StageMemory:
-        """Memory of one stage: its chunks' parameters and gradients, its activation peak."""
-        stages = [stage for stage in self._chunks.values() if stage.worker == worker]
-        params = [p for stage in stages for p in stage.parameters()]
-        device = self._devices[worker]
-        return StageMemory(
-            stage=worker, device=str(device.device),
-            param_bytes=sum(p.numel() * p.element_size() for p in params),
-            grad_bytes=sum(p.grad.numel() * p.grad.element_size() for p in params if p.grad is not None),
-            activation_peak_bytes=stages[0].ledger.peak, device_peak_bytes=device.peak_bytes())
-
-    def _forget_state(self) -> None:
-        """Drop every reference a call kept (graphs, inputs, outputs), so nothing outlives it."""
-        for stage in self._chunks.values():
-            stage.finish()
+    def _plan(self, kind: str, decision: Decision, inputs, targets, loss_fn) -> Call:
+        """Everything about the call that follows from the decision and this pipe's settings."""
+        training = kind == "step"
+        sizes = micro_batch_sizes(decision.batch, self.chunks)
+        micro_targets = None
+        if training and self._local.runs_last:
+            if targets is None and self.rank is not None:
+                raise ValueError(f"targets are missing on rank {self.rank}, which runs the last stage: pass the "
+                                 f"mini-batch's targets there (other ranks may pass None)")
+            check_targets(targets, decision.batch)
+            micro_targets = scatter(targets, self.chunks)
+        return Call(kind=kind, decision=decision, sizes=tuple(sizes),
+                    schedule=self.task_lists(len(sizes), training), checkpoint=self.checkpoint,
+                    checkpointed=tuple(training and schedules.checkpointed(m, len(sizes), self.checkpoint)
+                                       for m in range(len(sizes))),
+                    record_memory=training and self.record_memory,
+                    inputs=scatter(inputs, self.chunks) if self._local.runs_first else None,
+                    targets=micro_targets, loss_fn=loss_fn if training else None)
 
 
-def _check_virtual(virtual: int, schedule: str) -> int:
-    """`virtual_stages` checked against the schedule: several chunks per stage only when interleaved."""
-    if isinstance(virtual, bool) or not isinstance(virtual, int) or virtual < 1:
-        raise ValueError(f"virtual_stages={virtual!r}: expected an int >= 1 (chunks of layers per stage)")
-    if schedule == "interleaved" and virtual < 2:
-        raise ValueError(f"schedule='interleaved' needs virtual_stages >= 2 (chunks per stage), got {virtual}")
-    if schedule != "interleaved" and virtual != 1:
-        raise ValueError(f"virtual_stages={virtual}: only schedule='interleaved' places several chunks on a stage")
-    return virtual
-
-
-def _chunk_balance(balance: Union[int, Sequence[int]], layers: int, virtual: int) -> list[int]:
+def _chunk_balance(balance: Union[int, Sequence[int]], layers: int, virtual: int, schedule: str) -> list[int]:
     """Layers per chunk. With v chunks per stage, an int K means K*v even chunks, and a list gives
     every one of the K*v chunks its layer count."""
     if virtual == 1:
         return resolve_balance(balance, layers)
     if isinstance(balance, int) and not isinstance(balance, bool):
-        if balance >= 1 and balance * virtual > layers:
-            raise ValueError(f"balance={balance} stages x virtual_stages={virtual} = {balance * virtual} chunks but "
-                             f"the model has only {layers} layers; expected at most one chunk per layer")
+        if balance >= 1:
+            schedules.check_layout(schedule, balance, None, virtual, layers)
         return resolve_balance(balance * virtual if balance >= 1 else balance, layers)
     counts = resolve_balance(balance, layers)
     if len(counts) % virtual:

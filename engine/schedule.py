@@ -1,6 +1,6 @@
 """Pipeline schedules as pure functions of (stages K, micro-batches M, checkpoint mode, chunks v).
 
-A schedule is one ordered task list per stage (worker). Each worker runs its own list in order;
+A schedule is one ordered task list per stage. Each stage runs its own list in order;
 the data dependencies between chunks (activations forward, gradients backward) do the rest. A
 different schedule is only a different task order: the engine stays the same.
 
@@ -11,8 +11,9 @@ gradient of the chunk's input and of what lies between its layers) or "W" (the g
 weights, deferred).
 
 - gpipe: every forward, then every backward (fill, drain): Huang et al., 2019.
-- 1f1b: one forward, one backward after a short fill (PipeDream-Flush, Narayanan et al., 2019):
-  the same time as GPipe, but stage k holds at most K-k micro-batches instead of M.
+- 1f1b: one forward, one backward after a short fill (PipeDream-Flush: Narayanan et al., ICML 2021,
+  "Memory-Efficient Pipeline-Parallel DNN Training"): the same time as GPipe, but stage k holds at
+  most K-k micro-batches instead of M.
 - interleaved: 1F1B over v chunks per stage (Narayanan et al., 2021, Megatron-LM): the fill and
   drain pass through smaller chunks, so the bubble shrinks about v-fold; needs M a multiple of K.
 - zb-h1: 1F1B with each backward split into B and W, the first W's of stage k deferred to fill
@@ -73,11 +74,27 @@ def upstream(task: Task, chunks: int) -> Optional[Task]:
     return None
 
 
-def _check_sizes(stages: int, micro_batches: int, virtual: int, name: str) -> None:
-    if stages < 1 or micro_batches < 1:
+def check_layout(name: str, stages: int, micro_batches: Optional[int], virtual: int,
+                 layers: Optional[int] = None) -> None:
+    """The one check of how chunks are laid out, for the pipe, the schedules and the lab: several
+    chunks per stage (v) only with "interleaved", which needs v >= 2 and M a multiple of K
+    (Megatron-LM's rule); K*v chunks need at least as many layers."""
+    if isinstance(virtual, bool) or not isinstance(virtual, int) or virtual < 1:
+        raise ValueError(f"virtual_stages={virtual!r}: expected an int >= 1 (chunks of layers per stage)")
+    if micro_batches is not None and (stages < 1 or micro_batches < 1):
         raise ValueError(f"need stages >= 1 and micro_batches >= 1, got {stages} and {micro_batches}")
-    if name != "interleaved" and virtual != 1:
-        raise ValueError(f"virtual_stages={virtual}: only schedule='interleaved' places several chunks on a stage")
+    if name != "interleaved":
+        if virtual != 1:
+            raise ValueError(f"virtual_stages={virtual}: only schedule='interleaved' places several chunks on a stage")
+        return
+    if virtual < 2:
+        raise ValueError(f"virtual_stages={virtual}: schedule='interleaved' needs at least 2 chunks per stage")
+    if micro_batches is not None and micro_batches % stages:
+        raise ValueError(f"schedule='interleaved' needs M (micro-batches, chunks=) to be a multiple of K={stages}, "
+                         f"as Megatron-LM requires; got M={micro_batches}: use M={stages * -(-micro_batches // stages)}")
+    if layers is not None and stages * virtual > layers:
+        raise ValueError(f"{stages} stages x virtual_stages={virtual} = {stages * virtual} chunks but the model has "
+                         f"only {layers} layers; expected at most one chunk per layer")
 
 
 def _backward(micro: int, micro_batches: int, checkpoint: str, chunk: int) -> list[Task]:
@@ -89,7 +106,7 @@ def _backward(micro: int, micro_batches: int, checkpoint: str, chunk: int) -> li
 def gpipe(stages: int, micro_batches: int, checkpoint: str = "except_last", virtual: int = 1) -> list[list[Task]]:
     """GPipe: every forward, then every backward in reverse micro-batch order (the drain mirrors the
     fill); a checkpointed micro-batch gets its recompute "R" immediately before its backward "B"."""
-    _check_sizes(stages, micro_batches, virtual, "gpipe")
+    check_layout("gpipe", stages, micro_batches, virtual)
     return [[Task("F", m, k) for m in range(micro_batches)] +
             [t for m in reversed(range(micro_batches)) for t in _backward(m, micro_batches, checkpoint, k)]
             for k in range(stages)]
@@ -99,7 +116,7 @@ def one_f_one_b(stages: int, micro_batches: int, checkpoint: str = "except_last"
     """1F1B (PipeDream-Flush): stage k runs K-1-k forwards to fill the pipe, then alternates one
     forward with one backward, then drains the remaining backwards, in micro-batch order. Same work
     and the same synchronous update as GPipe, but a stage never holds more than K-k micro-batches."""
-    _check_sizes(stages, micro_batches, virtual, "1f1b")
+    check_layout("1f1b", stages, micro_batches, virtual)
     plans = []
     for k in range(stages):
         warmup = min(stages - 1 - k, micro_batches)
@@ -117,12 +134,7 @@ def interleaved(stages: int, micro_batches: int, checkpoint: str = "except_last"
     groups of K micro-batches through one chunk after the other; backwards in the same groups from
     the last chunk back. Stage k fills with 2(K-1-k) + (v-1)K forwards, then alternates, then drains.
     Megatron requires M to be a multiple of K, so that every group is full; so does this engine."""
-    if virtual < 2:
-        raise ValueError(f"virtual_stages={virtual}: schedule='interleaved' needs at least 2 chunks per stage")
-    _check_sizes(stages, micro_batches, virtual, "interleaved")
-    if micro_batches % stages:
-        raise ValueError(f"schedule='interleaved' needs M (micro-batches) to be a multiple of K={stages}, as "
-                         f"Megatron-LM requires; got M={micro_batches}: use M={stages * (micro_batches // stages + 1)}")
+    check_layout("interleaved", stages, micro_batches, virtual)
     total = micro_batches * virtual
 
     def micro_of(i: int) -> int:
@@ -151,7 +163,7 @@ def zb_h1(stages: int, micro_batches: int, checkpoint: str = "except_last", virt
     and W (weight gradient). Stage k keeps its first k W's pending, so in the drain, where 1F1B's
     stage k idles while it waits for gradients, it has W's to run; every later B is followed by the
     oldest pending W. At most K micro-batches are in flight on a stage (forward done, W not yet)."""
-    _check_sizes(stages, micro_batches, virtual, "zb-h1")
+    check_layout("zb-h1", stages, micro_batches, virtual)
     plans = []
     for k in range(stages):
         warmup = min(stages - 1 - k, micro_batches)
@@ -185,11 +197,6 @@ def check_schedule(name: str) -> str:
     if name not in SCHEDULES:
         raise ValueError(f"schedule={name!r} is not a schedule; expected one of {tuple(SCHEDULES)}")
     return name
-
-
-def splits_backward(schedule: list[list[Task]]) -> bool:
-    """Whether the schedule has separate W tasks (then B computes no weight gradients)."""
-    return any(task.op == "W" for tasks in schedule for task in tasks)
 
 
 def forward_only(stages: int, micro_batches: int, virtual: int = 1) -> list[list[Task]]:

@@ -1,16 +1,17 @@
 """How stages hand each other activations and gradients.
 
-A stage's worker needs two calls: `receive(stage, key)` for what its next task needs from another
-chunk, and `send(source, destination, key, value)` for what a task produced for one (source and
-destination are chunks). The key is ("act" | "grad", micro-batch, chunk), named by the task that
-waits for it. `ThreadTransport` connects K
-stage threads of one process through mailboxes; `engine.distributed.ProcessTransport` offers the
-same two calls between processes over torch.distributed, so stage and schedule code are shared.
+A stage's task loop needs three calls: `receive(stage, key)` for what its next task needs from
+another chunk, `send(source, destination, key, value)` for what a task produced for one (source
+and destination are chunks), and `check()` between tasks, which raises if the call is being
+abandoned. The key is ("act" | "grad", micro-batch, chunk), named by the task that waits for it.
+`ThreadTransport` connects K stage threads of one process through mailboxes;
+`engine.distributed.transport.ProcessTransport` offers the same calls between processes over
+torch.distributed, so chunk, schedule and task loop are shared.
 """
 from __future__ import annotations
 
 import queue
-from typing import Callable, Optional
+import threading
 
 from .microbatch import Value
 
@@ -22,7 +23,7 @@ def message_key(task) -> tuple:
 
 
 class Aborted(Exception):
-    """Raised in a stage worker when another stage failed and the step is being abandoned."""
+    """Raised in a stage thread when another stage failed and the call is being abandoned."""
 
 
 class StageFailed(RuntimeError):
@@ -39,42 +40,22 @@ class Mailbox:
     def __init__(self):
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._arrived: dict = {}
-        self.failure: Optional[BaseException] = None
 
     def put(self, key, payload) -> None:
         self._queue.put((key, payload))
 
-    def get(self, key, while_waiting: Optional[Callable[[], None]] = None, poll: float = 0.05):
-        """The payload sent under `key`, waiting for it. Raises Aborted if the step is abandoned,
-        or the failure this mailbox was told of. `while_waiting`, if given, is called every `poll`
-        seconds of waiting (it may raise to give up: a watchdog that needs no thread of its own)."""
+    def get(self, key):
+        """The payload sent under `key`, waiting for it; raises Aborted if the call is abandoned."""
         while key not in self._arrived:
-            if self.failure is not None:
-                raise self.failure
-            try:
-                message = self._queue.get(timeout=poll) if while_waiting else self._queue.get()
-            except queue.Empty:
-                while_waiting()
-                continue
+            message = self._queue.get()
             if message is _ABORT:
-                if self.failure is not None:
-                    raise self.failure
                 raise Aborted()
             self._arrived[message[0]] = message[1]
         return self._arrived.pop(key)
 
     def abort(self) -> None:
-        """Wake the waiting worker with Aborted."""
+        """Wake the waiting stage with Aborted."""
         self._queue.put(_ABORT)
-
-    def fail(self, error: BaseException) -> None:
-        """From now on every `get` that waits raises `error` (a connection is lost for good)."""
-        self.failure = error
-        self._queue.put(_ABORT)
-
-    def forget(self, keep: Callable[[tuple], bool]) -> None:
-        """Drop messages that arrived but are no longer wanted (those of an abandoned call)."""
-        self._arrived = {k: v for k, v in self._arrived.items() if keep(k)}
 
 
 class ThreadTransport:
@@ -83,6 +64,7 @@ class ThreadTransport:
     def __init__(self, chunks: dict, stages: int):
         self.chunks = chunks
         self.mailboxes = [Mailbox() for _ in range(stages)]
+        self._aborted = threading.Event()
 
     def receive(self, stage: int, key):
         """What another chunk sent to a chunk of `stage` under `key`: (value, ready event or None),
@@ -94,9 +76,15 @@ class ThreadTransport:
         the destination's device on the source's stream."""
         target = self.chunks[destination]
         payload = self.chunks[source].device.send(value, target.device.device)
-        self.mailboxes[target.worker].put(key, payload)
+        self.mailboxes[target.stage].put(key, payload)
+
+    def check(self) -> None:
+        """Raise Aborted if another stage failed."""
+        if self._aborted.is_set():
+            raise Aborted()
 
     def abort(self) -> None:
-        """Wake every stage that waits for a message so it can stop."""
+        """Abandon the call: every stage stops before its next task, and one that waits wakes."""
+        self._aborted.set()
         for mailbox in self.mailboxes:
             mailbox.abort()

@@ -189,7 +189,7 @@ ZOO: dict[str, ZooModel] = {
 
 def build(name: str, blocks: int, width: int, seed: int = 0) -> nn.Sequential:
     """The zoo model `name`, by name: what stage processes call to make their own copy
-    (engine.pool recipes must be importable functions)."""
+    (engine.distributed.pool recipes must be importable functions)."""
     return get(name).build(blocks, width, seed)
 
 

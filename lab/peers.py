@@ -26,7 +26,7 @@ from torch import nn
 
 from engine import GPipe
 from engine.device import keep_freed_cpu_memory
-from engine.pool import ProcessPool
+from engine.distributed.pool import ProcessPool
 
 from . import models, theory
 

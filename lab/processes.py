@@ -13,7 +13,7 @@ import threading
 from contextlib import contextmanager
 from typing import Callable, Iterator, Optional
 
-from engine.pool import ProcessPool, StageProcessError
+from engine.distributed.pool import ProcessPool, StageProcessError
 
 _turn = threading.Lock()
 _pool: Optional[ProcessPool] = None

@@ -169,7 +169,7 @@ def test_same_pipe_works_after_a_failure(batch):
     bad_loss = lambda out, target: 1 / 0  # noqa: E731
     with pytest.raises(ZeroDivisionError):
         pipe.step(x, y, bad_loss)  # fails in the last stage, after the others kept their graphs
-    assert all(stage.ledger.live == 0 for stage in pipe._chunks.values())  # the dropped graphs freed it all
+    assert all(stage.ledger.live == 0 for stage in pipe._local.chunks.values())  # the dropped graphs freed it all
     for p in model.parameters():
         p.grad = None
     loss = pipe.step(x, y, LOSS)
@@ -179,7 +179,7 @@ def test_same_pipe_works_after_a_failure(batch):
     assert loss.item() == pytest.approx(expected.item(), rel=1e-6)
     for a, b in zip(model.parameters(), reference.parameters()):
         assert torch.allclose(a.grad, b.grad, rtol=1e-5, atol=1e-6)
-    assert all(stage.ledger.live == 0 for stage in pipe._chunks.values())
+    assert all(stage.ledger.live == 0 for stage in pipe._local.chunks.values())
 
 
 @pytest.mark.timeout(30)

@@ -339,7 +339,7 @@ def test_interleaved_places_chunks_round_robin_and_balances_them(batch):
     events = pipe.trace.events
     assert {(e.stage, e.chunk) for e in events} == {(c % 2, c) for c in range(6)}
     assert len(pipe.trace.memory) == 2
-    with pytest.raises(ValueError, match="needs chunks \\(M\\) to be a multiple of the 2 stages"):
+    with pytest.raises(ValueError, match="needs M \\(micro-batches, chunks=\\) to be a multiple of K=2"):
         GPipe(mlp(), 2, chunks=3, schedule="interleaved", virtual_stages=2)
     with pytest.raises(ValueError, match="5 stages x virtual_stages=2 = 10 chunks but the model has only 9 layers"):
         GPipe(mlp(), 5, chunks=5, schedule="interleaved", virtual_stages=2)

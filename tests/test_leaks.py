@@ -42,4 +42,4 @@ def test_a_thousand_steps_do_not_grow_memory():
     assert live_tensors() == tensors
     assert resident_bytes() - rss < 8 * 2 ** 20
     assert threading.active_count() == threads
-    assert all(stage.ledger.live == 0 for stage in pipe._chunks.values())
+    assert all(stage.ledger.live == 0 for stage in pipe._local.chunks.values())

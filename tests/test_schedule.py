@@ -59,7 +59,7 @@ def test_unit_costs_take_k_plus_m_minus_1_cycles_each_way(stages, micro):
 def test_bad_sizes():
     with pytest.raises(ValueError):
         gpipe(0, 4)
-    with pytest.raises(ValueError, match="needs M \\(micro-batches\\) to be a multiple of K=4.*got M=6: use M=8"):
+    with pytest.raises(ValueError, match="needs M \\(micro-batches, chunks=\\) to be a multiple of K=4.*got M=6: use M=8"):
         interleaved(4, 6, "never", 2)
     with pytest.raises(ValueError, match="at least 2 chunks per stage"):
         interleaved(4, 8, "never", 1)

@@ -124,7 +124,7 @@ def test_nothing_stays_held_after_a_step(batch):
     x, y = batch
     pipe = GPipe(mlp(), 3, chunks=4, checkpoint="except_last")
     pipe.step(x, y, LOSS)
-    assert all(stage.ledger.live == 0 for stage in pipe._chunks.values())
+    assert all(stage.ledger.live == 0 for stage in pipe._local.chunks.values())
 
 
 def test_serial_step_times_each_task_alone_and_gives_the_same_gradients(batch):

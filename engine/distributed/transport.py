@@ -1,6 +1,8 @@
-"""Stages as processes: rank i of a torch.distributed group runs stage i of the pipeline.
+"""Stages as processes: how rank i of a torch.distributed group exchanges activations and gradients
+with the ranks of the neighbouring stages.
 
-`ProcessTransport` offers a stage worker the same `receive` / `send` calls as the thread transport,
+`ProcessTransport` offers a stage's task loop the same `receive` / `send` / `check` calls as the
+thread transport,
 over point-to-point messages in the format of engine/wire.py. It uses process groups of its own
 (made once, from the group's ranks), so its traffic never mixes with the user's and an idle pipe
 never times out.
@@ -38,9 +40,10 @@ import torch
 import torch.distributed as dist
 
 from . import wire
-from .microbatch import Value
-from .schedule import owner
-from .transport import StageFailed
+from ..call import Decision
+from ..microbatch import Value
+from ..schedule import owner
+from ..transport import StageFailed
 
 HEADER_TAG, DATA_TAG, CLOCK_TAG = 1, 2, 3
 PREPOSTED = 8                                  # receives kept posted per neighbour
@@ -83,13 +86,6 @@ def check_group(group, stages: int) -> Ranks:
     return Ranks(rank, size, dist.get_backend(group))
 
 
-def default_device() -> torch.device:
-    """This rank's stage device when none is given: cuda:LOCAL_RANK if CUDA is available, else cpu."""
-    if torch.cuda.is_available():
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
-    return torch.device("cpu")
-
-
 def _clock_id() -> str:
     """Names this machine's clock: perf_counter (CLOCK_MONOTONIC) is shared by its processes."""
     try:
@@ -122,7 +118,6 @@ class _Link:
         self.views = [frame.numpy() for frame in self.frames]
         self.works = [group.recv([frame], peer, HEADER_TAG) for frame in self.frames]
         self.posted = threading.Semaphore(PREPOSTED)  # posted receives the listener has not waited for yet
-        self.next_slot = 0                            # the slot the stage thread reads next
 
     def repost(self, slot: int) -> None:
         self.works[slot] = self.group.recv([self.frames[slot]], self.peer, HEADER_TAG)
@@ -135,19 +130,19 @@ class ProcessTransport:
     def __init__(self, ranks: Ranks, group, device: torch.device, upstream: Optional[int], downstream: Optional[int]):
         self.ranks, self.device, self.upstream = ranks, device, upstream
         members = dist.get_process_group_ranks(group)
-        self.wire = dist.new_group(members, backend="gloo", timeout=NEVER, use_local_synchronization=True)
+        self.wire = dist.new_group(members, backend="gloo", timeout=NEVER, use_local_synchronization=False)
         # NCCL matches messages per peer in posting order, with equal counts on both sides: one
         # communicator per direction keeps activations and gradients apart; headers go on gloo
         self.nccl = device.type == "cuda" and ranks.backend == "nccl"
-        self.tensor_groups = {kind: dist.new_group(members, backend="nccl", use_local_synchronization=True)
+        self.tensor_groups = {kind: dist.new_group(members, backend="nccl", use_local_synchronization=False)
                               for kind in ("act", "grad")} if self.nccl else {}
         self.store = dist.PrefixStore(f"gpipe-lab/{next(_serials)}/{'-'.join(map(str, members))}/",
                                       dist.distributed_c10d._get_default_store())
         self.clock_offset = self._measure_clock_offset()
         self.step = -1
-        self.plan: Optional[wire.Plan] = None
+        self.decision: Optional[Decision] = None
         self._arrived: dict = {}                      # (step, kind, micro, chunk) -> (value, ready event)
-        self._planned = -1                            # the last call whose plan arrived
+        self._decided = -1                            # the last call whose decision arrived
         self._failure: Optional[StageFailed] = None   # a lost connection: every later wait raises it
         self._events: queue.SimpleQueue = queue.SimpleQueue()  # (link, slot) or (None, error, peer)
         self._log: list[tuple] = []                   # Logged fields, as tuples
@@ -165,26 +160,27 @@ class ProcessTransport:
 
     # --- one call ---------------------------------------------------------------------------
 
-    def begin(self, step: int, plan: Optional[wire.Plan]) -> None:
-        """Start call `step`. The first stage knows the plan; the others learn it from its messages."""
-        self.step, self.plan = step, plan
+    def begin(self, step: int) -> None:
+        """Start call `step`."""
+        self.step, self.decision = step, None
         self._arrived = {key: value for key, value in self._arrived.items() if key[0] >= step}
         self._log = [entry for entry in self._log if entry[0] >= step]
         self._wake_sender()  # the last call's sends are complete by now: release their buffers
 
-    def wait_plan(self) -> wire.Plan:
-        """The current call's plan, from the previous stage's first message."""
-        self.plan = self._get((self.step, "plan", 0, 0))
-        return self.plan
+    def agree(self, decision: Optional[Decision]) -> Decision:
+        """The current call's decision: the first stage's own (it travels with its activations), or,
+        on the other stages, the one that came with the previous stage's first message."""
+        self.decision = decision if decision is not None else self._get((self.step, "decision", 0, 0))
+        return self.decision
 
     def receive(self, stage: int, key):
         """What a neighbour sent for the current call under `key`: (value, ready event or None)."""
-        return self._get((self.step, *_wire_key(key)))
+        return self._get((self.step, *key))
 
     def send(self, source: int, destination: int, key, value: Value) -> None:
         """Send `value`, for the current call, to the rank that holds chunk `destination`, under `key`
         (to this very rank, with one stage of several chunks, it is filed directly)."""
-        kind, micro, chunk = _wire_key(key)
+        kind, micro, chunk = key
         rank = owner(destination, self.ranks.size)
         if rank == self.ranks.rank:
             self._arrived[(self.step, kind, micro, chunk)] = (value, None)
@@ -198,6 +194,11 @@ class ProcessTransport:
     def receive_control(self, kind: str):
         """The value of the current call's "end" or "done" message."""
         return self._get((self.step, kind, 0, 0))[0]
+
+    def check(self) -> None:
+        """Raise StageFailed if a connection was lost (failures elsewhere are seen while waiting)."""
+        if self._failure is not None:
+            raise self._failure
 
     def messages(self) -> list[Logged]:
         """The current call's activation and gradient messages, as this rank sent and received them."""
@@ -257,25 +258,27 @@ class ProcessTransport:
         header = wire.decode_header(link.views[slot])
         tensors = wire.inline_tensors(link.views[slot], header) if header.inline else None
         link.repost(slot)
+        data = header.kind in ("act", "grad")  # control frames ("end", "done") stay on the host
         if tensors is None:
-            tensors = self._payload(link.peer, header)
-        elif self.device.type == "cuda":
+            tensors = self._payload(link.peer, header, data)
+        elif data and self.device.type == "cuda":
             tensors = [None if t is None else t.to(self.device) for t in tensors]
         ready = None
         if self.nccl and header.kind in self.tensor_groups:
             ready = torch.cuda.Event()
             ready.record(torch.cuda.current_stream(self.device))
-        if header.kind == "act" and link.peer == self.upstream and header.step > self._planned:
-            self._planned = header.step  # the first activation of a call brings its plan
-            self._arrived[(header.step, "plan", 0, 0)] = header.plan
-        if header.kind in ("act", "grad"):
+        if header.kind == "act" and link.peer == self.upstream and header.step > self._decided:
+            self._decided = header.step  # the first activation of a call brings its decision
+            self._arrived[(header.step, "decision", 0, 0)] = header.decision
+        if data:
             self._log.append((header.step, link.peer, "receive", header.kind, header.micro, header.payload_bytes,
                               start, time.perf_counter()))
         self._arrived[(header.step, header.kind, header.micro, header.chunk)] = \
             (wire.rebuild_value(header.form, tensors), ready)
 
-    def _payload(self, peer: int, header: wire.Header) -> list:
-        """Tensors that follow their frame, received straight into tensors of the announced shapes."""
+    def _payload(self, peer: int, header: wire.Header, data: bool) -> list:
+        """Tensors that follow their frame, received straight into tensors of the announced shapes
+        (activations and gradients then moved to this stage's device)."""
         group = self.tensor_groups.get(header.kind)
         device = self.device if group is not None else torch.device("cpu")
         group, tag = (group, 0) if group is not None else (self.wire, DATA_TAG)
@@ -287,19 +290,19 @@ class ProcessTransport:
         except Exception as error:
             self._failure = self._lost(peer, error)
             raise self._failure from None
-        if device != self.device:
+        if data and device != self.device:
             tensors = [None if t is None else t.to(self.device) for t in tensors]
         return wire.marked(tensors, header)
 
     def _post(self, destination: int, kind: str, micro: int, chunk: int, value) -> None:
         start = time.perf_counter()
-        plan = self.plan or wire.NO_PLAN
+        decision = self.decision or wire.NO_DECISION
         group = self.tensor_groups.get(kind)
         if group is None:
-            frame, tensors = wire.encode(self.step, kind, micro, chunk, plan, _on_cpu(value))
+            frame, tensors = wire.encode(self.step, kind, micro, chunk, decision, _on_cpu(value))
             group, tag = self.wire, DATA_TAG
         else:
-            frame, tensors = wire.encode(self.step, kind, micro, chunk, plan, value, inline=False)
+            frame, tensors = wire.encode(self.step, kind, micro, chunk, decision, value, inline=False)
             tag = 0
         works = [self.wire.send([frame], destination, HEADER_TAG)] + [group.send([t], destination, tag) for t in tensors]
         self._in_flight.append((works, (frame, tensors), destination))
@@ -393,7 +396,7 @@ class ProcessTransport:
         if self._closed:
             return
         self._closed = True
-        frame, _ = wire.encode(self.step, "bye", 0, 0, wire.NO_PLAN, None)
+        frame, _ = wire.encode(self.step, "bye", 0, 0, wire.NO_DECISION, None)
         for link in self._links:
             try:
                 for _ in range(PREPOSTED):
@@ -411,11 +414,11 @@ class ProcessTransport:
         deadline = time.monotonic() + timeout
         for thread in self._threads:
             thread.join(timeout=max(0.0, deadline - time.monotonic()))
-
-
-def _wire_key(key) -> tuple[str, int, int]:
-    """A schedule's message key, ("act" | "grad", micro[, chunk]), as (kind, micro, chunk)."""
-    return key[0], key[1], key[2] if len(key) > 2 else 0
+        for group in [self.wire, *self.tensor_groups.values()]:
+            try:
+                dist.destroy_process_group(group)
+            except Exception:  # the default group is already gone (the process is shutting down)
+                pass
 
 
 def _on_cpu(value):

@@ -4,7 +4,7 @@ for schedules that split the backward, the weight gradient (W).
 A chunk is what a stage runs; a stage holds one chunk, or several with schedule="interleaved". It
 keeps, per micro-batch, either the graph of its forward (to run the backward on later) or, when
 the micro-batch is checkpointed, only its input (to recompute the graph just before the backward).
-The backward is run explicitly by the stage's own worker, from the gradient the next chunk sent
+The backward is run explicitly by the chunk's own stage, from the gradient the next chunk sent
 back, so stages run their backwards in parallel.
 
 Split backward (zero-bubble schedules): while the forward runs, the output of every module that
@@ -20,12 +20,13 @@ import weakref
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
 from torch import nn
 
 from .batchnorm import StageBatchNorm, batch_norm_layers
+from .call import Call
 from .device import StageDevice
 from .memory import ActivationLedger
 from .microbatch import Value, as_leaves, detached, rebuild, tensors_of
@@ -37,23 +38,8 @@ from .transport import message_key
 
 
 @dataclass
-class StepPlan:
-    """What every stage needs to know about the current call, shared read-only by the workers."""
-
-    inputs: list            # micro-batch inputs, as cut from the caller's batch
-    targets: Optional[list]  # micro-batch targets; None for a forward-only call
-    loss_fn: Optional[Callable]
-    weights: list[float]     # each micro-batch's share of the mini-batch, for the loss
-    checkpointed: list[bool]
-    base_seed: int
-    training: bool           # True for step(): keep graphs and run backward
-    record_memory: bool
-    split_backward: bool = False  # the schedule has W tasks: B leaves the weight gradients to them
-
-
-@dataclass
-class StageState:
-    """What one stage holds between its tasks during one call; dropped when the call ends."""
+class ChunkState:
+    """What one chunk holds between its tasks during one call; dropped when the call ends."""
 
     kept_inputs: dict = field(default_factory=dict)   # micro -> input kept for recompute
     graphs: dict = field(default_factory=dict)        # micro -> (input, output or loss, layer outputs)
@@ -62,14 +48,14 @@ class StageState:
     weight_work: dict = field(default_factory=dict)   # micro -> per layer (roots, gradients, parameters)
 
 
-class Stage:
-    """Chunk `index` of `count`: layers `first .. first+len-1` of the model, on one device."""
+class Chunk:
+    """Chunk `index` of `count`: layers `first .. first+len-1` of the model, on its stage's device."""
 
     def __init__(self, index: int, count: int, partition: Partition, first: int,
-                 device: StageDevice, deferred_batch_norm: bool, worker: int):
+                 device: StageDevice, deferred_batch_norm: bool, stage: int):
         self.index = index
         self.count = count
-        self.worker = worker  # the stage that runs this chunk
+        self.stage = stage  # the stage that runs this chunk
         self.is_first = index == 0
         self.is_last = index == count - 1
         self.partition = partition
@@ -85,8 +71,8 @@ class Stage:
         weakref.finalize(self, _remove_hooks, handles)
         self.ledger = ActivationLedger()
         self.randomness = StageRandomness(list(zip(self.layer_ids, partition)))
-        self.state = StageState()
-        self.plan: Optional[StepPlan] = None
+        self.state = ChunkState()
+        self.call: Optional[Call] = None
 
     def parameters(self) -> list[nn.Parameter]:
         return list(self.partition.parameters())
@@ -96,22 +82,22 @@ class Stage:
         as seconds, which on CUDA waits for the GPU)."""
         if timed:
             start, end = self.device.seconds(start), self.device.seconds(end)
-        return Event(self.worker, task.micro, task.op, start, end, str(self.device.device), task.chunk)
+        return Event(self.stage, task.micro, task.op, start, end, str(self.device.device), task.chunk)
 
-    def start(self, plan: StepPlan, ledger: ActivationLedger) -> None:
-        """Reset per-call state before the workers start; `ledger` counts the activations of every
+    def start(self, call: Call, ledger: ActivationLedger) -> None:
+        """Reset per-call state before the stages start; `ledger` counts the activations of every
         chunk of this chunk's stage (their sum is what the stage's device holds)."""
-        self.state = StageState()
+        self.state = ChunkState()
         self.ledger = ledger
         if self.batch_norm is not None:
             self.batch_norm.start_step()
-        self.randomness.start(plan.base_seed)
-        self.plan = plan
+        self.randomness.start(call.seed)
+        self.call = call
 
     def finish(self) -> None:
-        """Drop everything the call kept: graphs, kept inputs, outputs and the plan."""
-        self.state = StageState()
-        self.plan = None
+        """Drop everything the call kept: graphs, kept inputs, outputs and the call itself."""
+        self.state = ChunkState()
+        self.call = None
 
     # --- tasks -----------------------------------------------------------------------------
 
@@ -127,9 +113,9 @@ class Stage:
         return destination, message_key(Task(kind, micro, destination)), value
 
     def _forward(self, micro: int, received):
-        plan, state = self.plan, self.state
-        x = self.device.to_here(plan.inputs[micro]) if self.is_first else self.device.receive(received)
-        if not plan.training:
+        call, state = self.call, self.state
+        x = self.device.to_here(call.inputs[micro]) if self.is_first else self.device.receive(received)
+        if not call.training:
             with torch.no_grad():
                 out = self._layers(x, micro)
             if self.is_last:
@@ -138,15 +124,15 @@ class Stage:
             return self._message("F", micro, out)
         if not self.is_first:
             x = as_leaves(x)
-        keep_graph = not plan.checkpointed[micro]
-        noted = [] if keep_graph and plan.split_backward else None
+        keep_graph = not call.checkpointed[micro]
+        noted = [] if keep_graph and call.split_backward else None
         with torch.set_grad_enabled(keep_graph):
             out = self._layers(x, micro, noted)
             loss = self._loss(out, micro) if self.is_last else None
         if keep_graph:
             state.graphs[micro] = (x, loss if self.is_last else out, noted)
         else:
-            held = self.ledger.hold_all(tensors_of(x)) if plan.record_memory else []
+            held = self.ledger.hold_all(tensors_of(x)) if call.record_memory else []
             state.kept_inputs[micro] = (x, held)
         if self.is_last:
             state.losses[micro] = loss.detach()
@@ -156,7 +142,7 @@ class Stage:
     def _recompute(self, micro: int, received) -> None:
         x, held = self.state.kept_inputs.pop(micro)
         recomputing = self.batch_norm.recomputing() if self.batch_norm is not None else nullcontext()
-        noted = [] if self.plan.split_backward else None
+        noted = [] if self.call.split_backward else None
         with torch.enable_grad(), recomputing:
             out = self._layers(x, micro, noted)
             if self.is_last:
@@ -168,7 +154,7 @@ class Stage:
         x, out, noted = self.state.graphs.pop(micro)
         if self.is_last:
             roots = [out]
-            grads = [torch.tensor(self.plan.weights[micro], dtype=out.dtype, device=out.device)]
+            grads = [torch.tensor(self.call.weights[micro], dtype=out.dtype, device=out.device)]
         else:
             grads_out = tensors_of(self.device.receive(received))
             pairs = [(o, g) for o, g in zip(tensors_of(out), grads_out) if g is not None and o.requires_grad]
@@ -218,7 +204,7 @@ class Stage:
         (module, output) of every parameter-owning module to `noted` if given (for a split backward)."""
         if self.batch_norm is not None:
             self.batch_norm.micro = micro
-        counting = self.plan.record_memory and torch.is_grad_enabled()
+        counting = self.call.record_memory and torch.is_grad_enabled()
 
         def each_layer(x: Value) -> Value:
             for layer_id, layer, has_bn in zip(self.layer_ids, self.partition, self._has_batch_norm):
@@ -234,15 +220,15 @@ class Stage:
             self._capture = None
 
     def _loss(self, output: Value, micro: int) -> torch.Tensor:
-        target = self.device.to_here(self.plan.targets[micro])
-        loss = self.plan.loss_fn(output, target)
+        target = self.device.to_here(self.call.targets[micro])
+        loss = self.call.loss_fn(output, target)
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             raise TypeError(f"loss_fn must return a scalar tensor (mean over the micro-batch), got {loss!r}")
         return loss.reshape(())
 
 
 def _note_output(stage: weakref.ref, module: nn.Module, args, output) -> None:
-    """Forward hook of a parameter-owning module: note its output while its chunk's worker runs a
+    """Forward hook of a parameter-owning module: note its output while its chunk's stage runs a
     forward for a split backward (and never for anyone else's calls of the module)."""
     owner = stage()
     if owner is not None and owner._capture is not None and owner._capture[0] == threading.get_ident():

@@ -1,8 +1,8 @@
 """The wire format between stage processes: a message is one frame of bytes, a header then a payload.
 
 The header (int64 words) says which call and task the message belongs to (step, kind, micro-batch,
-chunk), the call's plan (micro-batch count, batch size, base seed: the first stage decides them,
-the others learn them from its messages), and for each tensor of the value its dtype, shape and
+chunk), the call's decision (batch size, base seed: the first stage decides them, the others learn
+them from its messages, see engine/call.py), and for each tensor of the value its dtype, shape and
 requires_grad, or that the entry is missing (None). So uneven last micro-batches and tuple values
 cross processes as they cross threads.
 
@@ -21,26 +21,19 @@ from typing import Optional, Sequence
 import numpy as np
 import torch
 
+from ..call import Decision
+
 FRAME_BYTES = 512 * 1024  # capacity of a preposted receive; larger payloads follow separately
 KINDS = ("act", "grad", "end", "done", "bye")
 DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.complex64, torch.complex128,
           torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool)
 _FORMS = ("tensor", "tuple", "none")
-_FIXED = 11  # words before the per-entry descriptions
+_FIXED = 10  # words before the per-entry descriptions
 _ALIGN = 16
 _MASK64 = (1 << 64) - 1
 
 
-@dataclass(frozen=True)
-class Plan:
-    """What every stage must know about a call before it can run its tasks."""
-
-    count: int   # micro-batches (what torch.chunk made of the batch)
-    batch: int   # samples in the mini-batch
-    seed: int    # base seed of the call's random streams (64-bit)
-
-
-NO_PLAN = Plan(0, 0, 0)
+NO_DECISION = Decision(0, 0)
 
 
 @dataclass(frozen=True)
@@ -63,7 +56,7 @@ class Header:
     kind: str
     micro: int
     chunk: int
-    plan: Plan
+    decision: Decision
     form: str                          # "tensor", "tuple" or "none"
     entries: tuple[Optional[Entry], ...]
     inline: bool                       # payload inside the frame, else one message per tensor
@@ -110,12 +103,12 @@ def _bytes_of(tensor: torch.Tensor) -> np.ndarray:
     return tensor.detach().contiguous().reshape(-1).view(torch.uint8).numpy()  # bfloat16: no NumPy type
 
 
-def encode(step: int, kind: str, micro: int, chunk: int, plan: Plan, value,
+def encode(step: int, kind: str, micro: int, chunk: int, decision: Decision, value,
            inline: bool = True) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """The frame of a message and the tensors that follow it separately: none when the payload fits
     in the frame, unless `inline=False` (NCCL moves tensors on communicators of their own)."""
     form, tensors = describe(value)
-    words = [0, step, KINDS.index(kind), micro, chunk, plan.count, plan.batch, _signed(plan.seed),
+    words = [0, step, KINDS.index(kind), micro, chunk, decision.batch, _signed(decision.seed),
              _FORMS.index(form), len(tensors), 0]
     present = []
     for t in tensors:
@@ -129,7 +122,7 @@ def encode(step: int, kind: str, micro: int, chunk: int, plan: Plan, value,
     sizes = [t.numel() * t.element_size() for t in present]
     inline_bytes = header_bytes + sum(_padded(size) for size in sizes)
     inline = inline and inline_bytes <= FRAME_BYTES
-    words[10] = int(inline)
+    words[9] = int(inline)
     frame = torch.empty(inline_bytes if inline else header_bytes, dtype=torch.uint8)
     view = frame.numpy()
     struct.pack_into(f"<{len(words)}q", view, 0, *words)
@@ -147,7 +140,7 @@ def decode_header(view: np.ndarray) -> Header:
     length = struct.unpack_from("<q", view, 0)[0]
     words = struct.unpack_from(f"<{length}q", view, 0)
     entries, position = [], _FIXED
-    for _ in range(words[9]):
+    for _ in range(words[8]):
         if words[position] == 0:
             entries.append(None)
             position += 1
@@ -157,8 +150,8 @@ def decode_header(view: np.ndarray) -> Header:
                              bool(words[position + 2])))
         position += 4 + ndim
     return Header(step=words[1], kind=KINDS[words[2]], micro=words[3], chunk=words[4],
-                  plan=Plan(count=words[5], batch=words[6], seed=words[7] & _MASK64), form=_FORMS[words[8]],
-                  entries=tuple(entries), inline=bool(words[10]), size=_padded(8 * length))
+                  decision=Decision(batch=words[5], seed=words[6] & _MASK64), form=_FORMS[words[7]],
+                  entries=tuple(entries), inline=bool(words[9]), size=_padded(8 * length))
 
 
 def inline_tensors(view: np.ndarray, header: Header) -> list[Optional[torch.Tensor]]:

@@ -1,0 +1,229 @@
+"""Child processes that run engine code only, whatever the parent is.
+
+multiprocessing's "spawn" start re-imports the parent's main module in every child: a script
+without a main guard starts children forever, code fed on standard input cannot be re-read, and
+`streamlit run app.py` re-runs the whole page in each child. So children here are started as
+`python -m engine.distributed.child`, with the parent's `sys.path` handed over: they import the
+function they are asked to run by name ("package.module:function") and nothing else of the parent.
+
+    children = Children("lab.allreduce:member", [(rank, 2, port) for rank in range(2)])
+    answers = children.ask([("time", 1 << 20)] * 2)   # one command each, one answer each
+    children.close()                                    # or let the parent exit: none stays behind
+
+In the child, `function(*args)` makes a server: a callable that answers each command the parent
+sends (with an optional `close()`, called when the parent says stop). An exception raised there
+arrives in the parent with its own type and message (the child's traceback attached as a note);
+a child that dies, or stays silent past the timeout, raises ChildFailed. Children end with their
+parent: each watches for it to be gone and stops when its connection closes.
+"""
+from __future__ import annotations
+
+import importlib
+import os
+import pickle
+import signal
+import subprocess
+import sys
+import time
+import traceback
+import weakref
+from multiprocessing.connection import Connection, Pipe, wait
+from pathlib import Path
+from typing import Callable, Optional, Sequence, Union
+
+from ..transport import StageFailed
+
+ENGINE_ROOT = str(Path(__file__).resolve().parents[2])  # the folder that holds the engine package
+ECHO_SECONDS = 15.0  # after one child's error, how long the others may take to answer (a stage's
+                     # failure reaches every rank within 5 s, a lost rank within 15 s)
+Target = Union[str, Callable]
+
+
+class ChildFailed(RuntimeError):
+    """A child process died, or did not answer in time; the children were stopped."""
+
+
+def resolve(target: Target) -> Callable:
+    """The function named by "package.module:function" (or the function itself)."""
+    if callable(target):
+        return target
+    if not isinstance(target, str) or ":" not in target:
+        raise ValueError(f"recipe={target!r}: expected 'package.module:function', a function importable by name")
+    module, _, name = target.partition(":")
+    try:
+        function = importlib.import_module(module)
+        for part in name.split("."):
+            function = getattr(function, part)
+        return function
+    except (ImportError, AttributeError) as error:
+        raise ValueError(f"recipe={target!r} cannot be imported: {error}") from None
+
+
+def name_of(function: Callable) -> str:
+    """"module:qualname" of a function a child can import, or a ValueError saying why it cannot."""
+    module = getattr(function, "__module__", None)
+    qualname = getattr(function, "__qualname__", "<locals>")
+    if module in (None, "__main__") or "<locals>" in qualname:
+        raise ValueError(f"{function!r} is defined in {module or 'no module'}: stage processes cannot import it. "
+                         f"Put it in a module (or name it as 'package.module:function')")
+    return f"{module}:{qualname}"
+
+
+def send(connection: Connection, message) -> None:
+    """Send a message by value (plain pickle: tensors are copied, never left in shared memory that
+    would die with the sender)."""
+    connection.send_bytes(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
+
+
+def receive(connection: Connection):
+    return pickle.loads(connection.recv_bytes())
+
+
+class Children:
+    """`len(args)` child processes, child i running the server `target(*args[i])`."""
+
+    def __init__(self, target: Target, args: Sequence[tuple], name: str = "child",
+                 env: Optional[dict] = None, timeout: float = 300.0):
+        target = target if isinstance(target, str) else name_of(target)
+        self.name, self.timeout = name, timeout
+        environment = {**os.environ, **(env or {}),
+                       "PYTHONPATH": os.pathsep.join([ENGINE_ROOT] + [p for p in os.environ.get("PYTHONPATH", "")
+                                                                      .split(os.pathsep) if p])}
+        self._connections: list[Connection] = []
+        self._processes: list[subprocess.Popen] = []
+        self._finalizer = weakref.finalize(self, _stop, self._processes, self._connections)
+        for index, child_args in enumerate(args):
+            ours, theirs = Pipe()
+            process = subprocess.Popen([sys.executable, "-m", "engine.distributed.child", str(theirs.fileno()),
+                                        f"{name}-{index}"], pass_fds=[theirs.fileno()], env=environment,
+                                       stdin=subprocess.DEVNULL)
+            theirs.close()
+            self._connections.append(ours)
+            self._processes.append(process)
+            send(ours, (sys.path, os.getpid()))
+            send(ours, (target, tuple(child_args)))
+
+    def __len__(self) -> int:
+        return len(self._processes)
+
+    @property
+    def pids(self) -> list[int]:
+        return [p.pid for p in self._processes]
+
+    @property
+    def open(self) -> bool:
+        return self._finalizer.alive
+
+    def dead(self) -> dict[int, int]:
+        """{index: exit code} of the children that have ended."""
+        return {i: p.returncode for i, p in enumerate(self._processes) if p.poll() is not None}
+
+    def ask(self, commands: Sequence, timeout: Optional[float] = None) -> list:
+        """Send child i `commands[i]` and return every answer, in order. A failure in a child is
+        raised with its own type (a failing stage's own error before the others' StageFailed echoes
+        of it); a child that dies or stays silent past the timeout stops them all: ChildFailed."""
+        if not self.open:
+            raise ChildFailed(f"the {self.name} processes were stopped (after close(), or after one died); "
+                              f"start new ones")
+        for index, (connection, command) in enumerate(zip(self._connections, commands)):
+            try:
+                send(connection, command)
+            except OSError:
+                self._fail(index)
+        answers: dict[int, tuple] = {}
+        deadline = time.monotonic() + (timeout or self.timeout)
+        while len(answers) < len(commands):
+            if any(answer[0] == "error" for answer in answers.values()):
+                deadline = min(deadline, time.monotonic() + ECHO_SECONDS)  # the others should follow soon
+            waiting = {c: i for i, c in enumerate(self._connections[:len(commands)]) if i not in answers}
+            for connection in wait(list(waiting), timeout=0.1):
+                try:
+                    answers[waiting[connection]] = receive(connection)
+                except (EOFError, OSError):
+                    self._fail(waiting[connection])
+            gone = [i for i in self.dead() if i not in answers and i < len(commands)]
+            if gone:
+                self._fail(gone[0])
+            if time.monotonic() > deadline:
+                self.close()
+                errors = [answer[1] for answer in answers.values() if answer[0] == "error"]
+                if errors:  # one failed and the others are stuck (say, waiting for it to connect)
+                    raise errors[0]
+                raise ChildFailed(f"the {self.name} processes did not answer within {timeout or self.timeout:.0f} s; "
+                                  f"they were stopped")
+        errors = [answers[i][1] for i in sorted(answers) if answers[i][0] == "error"]
+        if errors:
+            raise min(errors, key=lambda error: isinstance(error, StageFailed))  # the first that is no echo
+        return [answers[i][1] for i in range(len(commands))]
+
+    def kill(self, index: int) -> None:
+        """Kill one child at once (SIGKILL), as a crash would: for tests and lessons."""
+        os.kill(self._processes[index].pid, signal.SIGKILL)
+
+    def close(self) -> None:
+        """Ask every child to stop, kill what is still there after 5 s, and reap them all."""
+        self._finalizer()
+
+    def _fail(self, index: int):
+        self._processes[index].wait(timeout=5)
+        codes = self.dead()
+        self.close()
+        raise ChildFailed(f"{self.name} {index}'s process died (exit codes {codes or 'unknown'}); the others "
+                          f"were stopped, none is left")
+
+
+def _stop(processes: list, connections: list) -> None:
+    for connection in connections:
+        try:
+            send(connection, "stop")
+        except OSError:
+            pass
+    deadline = time.monotonic() + 5
+    for process in processes:
+        try:
+            process.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+    for connection in connections:
+        connection.close()
+
+
+# --- in the child ---------------------------------------------------------------------------------
+
+def portable(error: BaseException) -> BaseException:
+    """`error` if it survives pickling as itself, else a RuntimeError with its type and message; the
+    traceback is attached as a note either way."""
+    try:
+        pickle.loads(pickle.dumps(error))
+    except Exception:
+        error = RuntimeError(f"{type(error).__name__}: {error}")
+    lines = traceback.format_exception(type(error), error, error.__traceback__)
+    error.__traceback__ = None
+    if lines and hasattr(error, "add_note"):
+        error.add_note("in a child process:\n" + "".join(lines[-6:]).rstrip())
+    return error
+
+
+def serve(connection: Connection, server: Callable) -> None:
+    """Answer the parent's commands with `server(command)` until it says stop or is gone."""
+    try:
+        while True:
+            try:
+                command = receive(connection)
+            except (EOFError, OSError):
+                return
+            if command == "stop":
+                return
+            try:
+                answer = ("ok", server(command))
+            except Exception as error:
+                answer = ("error", portable(error))
+            try:
+                send(connection, answer)
+            except Exception as error:  # an answer that cannot be pickled: say so instead
+                send(connection, ("error", portable(error)))
+    finally:
+        close = getattr(server, "close", None)
+        if close is not None:
+            close()

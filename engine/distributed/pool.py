@@ -1,0 +1,248 @@
+"""K local stage processes that run one GPipe, driven from this process (a notebook, the app).
+
+    pool = ProcessPool(stages=2)                        # K processes, gloo on loopback; they stay up
+    pool.build("lab.models:build_mlp", dict(blocks=8, width=256), chunks=8, checkpoint="never")
+    loss = pool.step(x, y, torch.nn.functional.mse_loss)  # inputs go to rank 0, targets to the last rank
+    pool.trace                                          # every stage's events, messages and memory
+    pool.parameters()                                   # on request: the model's parameters, stage by stage
+    pool.close()                                        # or let the interpreter exit: nothing stays behind
+
+The stage processes are children that run engine code only (engine/distributed/children.py), so
+the parent may be anything: a script with or without a main guard, standard input, `python -c`, a
+Jupyter kernel, the Streamlit server, a torchrun worker. Every child builds the model itself from
+a recipe importable by name ("package.module:function"): the model is never sent, only how to make
+it. The parent hosts the Store that the children meet at, so it outlives any of them. A failure in
+a stage is raised here with its own type, the stage named; a child that dies is raised as
+StageProcessError, and the pool is then closed and a new one must be made.
+"""
+from __future__ import annotations
+
+import os
+import threading
+import time
+from datetime import timedelta
+from typing import Callable, Optional, Union
+
+import torch
+
+from ..trace import Trace
+from .children import Children, ChildFailed, name_of, resolve
+
+Recipe = Union[str, Callable]
+START_SECONDS = 120.0
+
+
+class StageProcessError(ChildFailed):
+    """A stage process died, or the pool could not get an answer from one."""
+
+
+class ProcessPool:
+    """K stage processes on this machine, one per stage, meeting over gloo on loopback."""
+
+    def __init__(self, stages: int, threads_per_stage: int = 1, keep_freed_memory: bool = True,
+                 timeout: float = 300.0, device: str = "cpu"):
+        if isinstance(stages, bool) or not isinstance(stages, int) or stages < 1:
+            raise ValueError(f"stages={stages!r}: expected an int >= 1 (one process per stage)")
+        self.stages, self.timeout, self.device = stages, timeout, device
+        self.trace: Optional[Trace] = None
+        self.losses: list = []
+        self.seconds = 0.0
+        self.built = False
+        self._store = torch.distributed.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                                                 timeout=timedelta(seconds=START_SECONDS))
+        self._children = Children("engine.distributed.pool:StageServer",
+                                  [(rank, stages, self._store.port, threads_per_stage, keep_freed_memory, device)
+                                   for rank in range(stages)], name="stage", timeout=timeout)
+        self._ask([("ready", ())] * stages, timeout=START_SECONDS)
+
+    @property
+    def alive(self) -> bool:
+        """Whether every stage process is still running and the pool is open."""
+        return self._children.open and not self._children.dead()
+
+    @property
+    def pids(self) -> list[int]:
+        return self._children.pids
+
+    def check_alive(self) -> None:
+        """Raise StageProcessError (and close the pool) if a stage process has died since the last
+        call, as a crash or an out-of-memory kill would leave it."""
+        dead = self._children.dead()
+        if self._children.open and dead:
+            self.close()
+            rank = min(dead)
+            raise StageProcessError(f"stage {rank}'s process died (exit codes {dead}); the others were stopped, "
+                                    f"none is left: make a new ProcessPool")
+
+    def build(self, recipe: Recipe, recipe_kwargs: Optional[dict] = None, balance=None,
+              optimizer: Optional[tuple[Recipe, dict]] = None, **gpipe_options) -> None:
+        """Make the pipe in every stage process: `recipe(**recipe_kwargs)` gives the nn.Sequential,
+        `balance` defaults to K stages, `gpipe_options` go to GPipe (chunks, checkpoint, seed, ...).
+        With `optimizer=("torch.optim.SGD", {"lr": 0.1})` each `step` also zeroes the gradients
+        first and takes an optimizer step after."""
+        spec = (name_of(resolve(recipe)), recipe_kwargs or {}, self.stages if balance is None else balance,
+                gpipe_options, optimizer)
+        self._ask([("build", spec)] * self.stages)
+        self.built = True
+
+    def step(self, inputs, targets, loss_fn: Callable):
+        """One training step of the pipe (gradients zeroed first; with an optimizer, also its step);
+        returns the mini-batch loss. Then `self.trace` is the step's trace and `self.seconds` the
+        step's time as rank 0 measured it."""
+        self._require_built()
+        name_of(loss_fn)
+        commands = [("step", (inputs if rank == 0 else None, targets if rank == self.stages - 1 else None, loss_fn))
+                    for rank in range(self.stages)]
+        answers = self._ask(commands)
+        self.trace = answers[0][1]
+        self.losses = [answer[0] for answer in answers]  # as each rank returned it: all equal
+        self.seconds = answers[0][2]  # the step as rank 0 timed it, without this process's hand-over
+        return answers[0][0]
+
+    def forward(self, inputs):
+        """The pipe's forward pass; returns the output (from the last stage's process)."""
+        self._require_built()
+        answers = self._ask([("forward", (inputs if rank == 0 else None,)) for rank in range(self.stages)])
+        self.trace = answers[0][1]
+        return answers[-1][0]
+
+    def parameters(self) -> list[torch.Tensor]:
+        """Copies of the model's parameters, in the model's order."""
+        return self._by_chunk("parameters")
+
+    def gradients(self) -> list[Optional[torch.Tensor]]:
+        """Copies of the parameters' gradients after the last step, in the model's order."""
+        return self._by_chunk("gradients")
+
+    def buffers(self) -> list[torch.Tensor]:
+        """Copies of the model's buffers (batch norm statistics), in the model's order."""
+        return self._by_chunk("buffers")
+
+    def resources(self) -> list[dict]:
+        """What each stage process holds: threads, open file descriptors, process groups (a pipe
+        rebuilt many times must not make these grow)."""
+        return self._ask([("resources", ())] * self.stages)
+
+    def _by_chunk(self, what: str) -> list:
+        """Each process's tensors of `what`, per chunk of layers it holds, put in the model's order
+        (a stage holds chunks k, k+K, ... when stages hold several)."""
+        self._require_built()
+        per_chunk = {chunk: tensors for answer in self._ask([(what, ())] * self.stages) for chunk, tensors in answer}
+        return [t for chunk in sorted(per_chunk) for t in per_chunk[chunk]]
+
+    def kill(self, stage: int) -> None:
+        """Kill one stage process at once (SIGKILL), as a crash would: for tests and lessons."""
+        self._children.kill(stage)
+
+    def close(self) -> None:
+        """Stop every stage process; none is left behind."""
+        self._children.close()
+
+    def __enter__(self) -> "ProcessPool":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # --- internals -----------------------------------------------------------------------------
+
+    def _require_built(self) -> None:
+        if not self.built:
+            raise RuntimeError("the pool has no pipe yet: call pool.build(recipe, ...) first")
+
+    def _ask(self, commands: list, timeout: Optional[float] = None) -> list:
+        if not self._children.open:
+            raise StageProcessError("the process pool is closed (after close(), or after a stage process died); "
+                                    "make a new ProcessPool")
+        try:
+            return self._children.ask(commands, timeout)
+        except StageProcessError:
+            raise
+        except ChildFailed as failure:
+            raise StageProcessError(f"{failure}: make a new ProcessPool") from None
+
+
+# --- inside a stage process -------------------------------------------------------------------
+
+class StageServer:
+    """A stage process: joins the pool's group, then answers the pool's commands."""
+
+    def __init__(self, rank: int, size: int, port: int, threads: int, keep_freed_memory: bool, device: str):
+        import torch.distributed as dist
+
+        from ..device import keep_freed_cpu_memory
+
+        if keep_freed_memory:
+            keep_freed_cpu_memory()
+        torch.set_num_threads(threads)
+        self.rank, self.threads, self.device = rank, threads, device
+        store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=START_SECONDS))
+        dist.init_process_group("gloo", store=dist.PrefixStore("pool/", store), rank=rank, world_size=size)
+        self.pipe, self.optimizer = None, None
+
+    def __call__(self, command):
+        what, args = command
+        if what == "ready":
+            return None
+        if what == "build":
+            if self.pipe is not None:
+                self.pipe.close()
+                self.pipe = self.optimizer = None
+            self.pipe, self.optimizer = _build(*args, threads=self.threads, device=self.device)
+            return None
+        if what == "step":
+            return self._step(*args)
+        if what == "forward":
+            out = self.pipe(*args)
+            return None if out is None else out.detach().cpu(), self.pipe.trace if self.rank == 0 else None
+        if what in ("parameters", "gradients", "buffers"):
+            return [(chunk, _copies(partition, what))
+                    for chunk, partition in zip(self.pipe.local_chunks, self.pipe.partitions)]
+        if what == "resources":
+            import torch.distributed as dist
+            return {"threads": threading.active_count(), "file descriptors": len(os.listdir("/proc/self/fd")),
+                    "process groups": len(dist.distributed_c10d._world.pg_map)}
+        raise ValueError(f"unknown command {what!r}")
+
+    def _step(self, inputs, targets, loss_fn):
+        if self.optimizer is not None:
+            self.optimizer.zero_grad()
+        else:
+            self.pipe.zero_grad()
+        start = time.perf_counter()
+        loss = self.pipe.step(inputs, targets, loss_fn)
+        seconds = time.perf_counter() - start
+        if self.optimizer is not None:
+            self.optimizer.step()
+        return loss.detach().cpu(), self.pipe.trace if self.rank == 0 else None, seconds
+
+    def close(self) -> None:
+        import torch.distributed as dist
+
+        if self.pipe is not None:
+            self.pipe.close()
+        dist.destroy_process_group()
+
+
+def _copies(partition: torch.nn.Module, what: str) -> list:
+    """Copies, on the CPU, of a partition's parameters, their gradients, or its buffers."""
+    if what == "buffers":
+        return [b.detach().cpu().clone() for b in partition.buffers()]
+    tensors = [p if what == "parameters" else p.grad for p in partition.parameters()]
+    return [None if t is None else t.detach().cpu().clone() for t in tensors]
+
+
+def _build(recipe: str, recipe_kwargs: dict, balance, options: dict, optimizer, threads: int, device: str):
+    import torch.distributed as dist
+
+    from ..pipe import GPipe
+
+    model = resolve(recipe)(**recipe_kwargs)
+    stages = dist.get_world_size()
+    pipe = GPipe(model, balance, group=dist.group.WORLD,
+                 **{"threads_per_stage": threads, "devices": [device] * stages, **options})
+    if optimizer is None:
+        return pipe, None
+    kind, settings = optimizer
+    return pipe, resolve(kind if ":" in str(kind) else str(kind).replace("torch.optim.", "torch.optim:"))(
+        pipe.parameters(), **settings)

@@ -1,0 +1,133 @@
+"""One rank's share of a pipelined call when stages are processes (GPipe(..., group=...)).
+
+Every rank calls `step` (or the forward pass) with the same arguments' shapes. The first stage's
+rank decides the call (engine/call.py); its decision travels in the header of its activations, so
+each rank plans the same call in `GPipe` and runs its own stage's task list through the same task
+loop as threads. Then the call ends in two waves: "end" goes upstream from the last stage,
+carrying the mini-batch loss and each stage's part of the trace, and "done" comes back downstream,
+so a call returns on a rank only once every stage has finished it, and a failure anywhere is
+raised everywhere.
+"""
+from __future__ import annotations
+
+import os
+import pickle
+import time
+from contextlib import contextmanager
+from dataclasses import astuple
+from typing import Optional
+
+import torch
+
+from ..call import Call, Decision
+from ..device import check_device, one_per_stage
+from ..runner import EventCallback, events_of, live, name_place, run_tasks
+from ..stages import LocalStages
+from ..trace import Event, Message, StageMemory, Trace
+from .transport import ProcessTransport, Ranks, StageFailed, check_group
+
+
+def place(group, stages: int, devices) -> tuple[int, torch.device]:
+    """This process's stage (its rank in `group`) and its device: `devices[rank]` if given, else
+    cuda:LOCAL_RANK when CUDA is available, else cpu."""
+    ranks = check_group(group, stages)
+    if devices is not None:
+        return ranks.rank, check_device(one_per_stage(devices, stages)[ranks.rank], ranks.rank)
+    if torch.cuda.is_available():
+        return ranks.rank, torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
+    return ranks.rank, torch.device("cpu")
+
+
+class RankRunner:
+    """Runs this rank's stage (its chunk, or chunks) for each call and exchanges what a call ends with."""
+
+    def __init__(self, local: LocalStages, group, stages: int, wraps: bool):
+        self.local = local
+        self.ranks: Ranks = check_group(group, stages)
+        rank = self.ranks.rank
+        self.transport = ProcessTransport(
+            self.ranks, group, next(iter(local.devices.values())).device,
+            upstream=(rank - 1) % stages if rank > 0 or wraps else None,
+            downstream=(rank + 1) % stages if rank < stages - 1 or wraps else None)
+        self.calls = 0
+        self.prefix = f"rank {rank}, "
+
+    @contextmanager
+    def calling(self):
+        """The scope of one call on this rank: a failure here is named and told to every rank; the
+        call's state is dropped at its end whatever happens."""
+        self.transport.begin(self.calls)
+        self.calls += 1
+        try:
+            yield
+        except BaseException as error:
+            if not isinstance(error, StageFailed):
+                if not str(error.args[0] if error.args else "").startswith(f"[{self.prefix}"):
+                    name_place(error, self.ranks.rank, None, prefix=self.prefix)
+                self.transport.report_failure(f"{type(error).__name__}: {error.args[0] if error.args else error}")
+            raise
+        finally:
+            self.local.finish()
+
+    def agree(self, decision: Optional[Decision]) -> Decision:
+        """The first stage's decision, on every rank (it travels with the first activation)."""
+        return self.transport.agree(decision)
+
+    def run(self, call: Call, on_event: EventCallback = None, serial: bool = False):
+        """Run this rank's tasks of the call; return (the loss on every rank for a step; the output on
+        the last stage's rank for a forward, None elsewhere) and the trace of every stage on rank 0."""
+        rank = self.ranks.rank
+        t0 = time.perf_counter()  # after the decision arrived: waiting for it is not part of the call
+        self.local.start(call, t0)
+        marks = run_tasks(self.local, [(rank, task) for task in call.schedule[rank]], self.transport,
+                          live(self.local, on_event), prefix=self.prefix)
+        events = events_of(self.local, marks, on_event)
+        result = self.local.conclude(call)
+        piece = self._piece(events, t0, self.local.memory(rank))
+        loss, pieces = self._end_waves(result if call.training else None, piece)
+        trace = self._trace(pieces, call, time.perf_counter() - t0)
+        if call.training:
+            return loss.to(self.local.devices[rank].device), trace
+        return result, trace
+
+    def close(self) -> None:
+        """End the transport's threads and groups (every rank calls it)."""
+        self.transport.close()
+
+    def _piece(self, events: list[Event], t0: float, memory: StageMemory) -> tuple:
+        """This stage's part of the trace, in plain tuples, its times relative to its own start,
+        which is given on rank 0's clock."""
+        messages = [(self.ranks.rank, m.peer, m.direction, m.kind, m.micro, m.nbytes, m.start - t0, m.end - t0)
+                    for m in self.transport.messages()]
+        return (t0 - self.transport.clock_offset, [astuple(e) for e in events], messages, astuple(memory))
+
+    def _end_waves(self, loss: Optional[torch.Tensor], piece: tuple) -> tuple[Optional[torch.Tensor], list]:
+        """"end" upstream with the loss and the trace pieces of this stage and those after it, then
+        "done" downstream: when it arrives every stage has finished the call."""
+        ranks, transport = self.ranks, self.transport
+        pieces = [piece]
+        if not ranks.is_last:
+            loss, later = transport.receive_control("end")
+            pieces += pickle.loads(later.numpy().tobytes())
+        if not ranks.is_first:
+            blob = torch.frombuffer(bytearray(pickle.dumps(pieces)), dtype=torch.uint8)
+            transport.send_control(ranks.rank - 1, "end", (None if loss is None else loss.cpu(), blob))
+            transport.receive_control("done")
+        if not ranks.is_last:
+            transport.send_control(ranks.rank + 1, "done")
+        return loss, pieces
+
+    def _trace(self, pieces: list, call: Call, wall: float) -> Trace:
+        """One trace of the stages this rank heard from (all of them on rank 0), on its time base."""
+        origin = pieces[0][0]
+        events, messages, memory = [], [], []
+        for start, stage_events, stage_messages, stage_memory in pieces:
+            shift = start - origin
+            events += [Event(s, m, op, a + shift, b + shift, d, c) for s, m, op, a, b, d, c in stage_events]
+            messages += [Message(*fields[:6], fields[6] + shift, fields[7] + shift) for fields in stage_messages]
+            memory.append(StageMemory(*stage_memory))
+        events.sort(key=lambda e: (e.start, e.stage))
+        return Trace(stages=self.ranks.size, micro_batches=call.micro_batches, batch_size=call.decision.batch,
+                     checkpoint=call.checkpoint, kind=call.kind, events=events,
+                     memory=sorted(memory, key=lambda m: m.stage), wall=wall,
+                     messages=sorted(messages, key=lambda m: m.start), transport="processes")

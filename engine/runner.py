@@ -1,0 +1,219 @@
+"""Running a call's tasks: one task loop, driven by stage threads or, one task at a time, serially.
+
+`run_tasks` is the only task loop: each task waits for its input, runs on its chunk, and hands its
+output on through a transport. `ThreadRunner` gives every stage a long-lived worker thread (a new
+thread per step would pay the CPU math libraries' per-thread start-up, milliseconds, on every
+step) that runs its stage's list through that loop; the caller passes finished-task events to an
+optional callback as they arrive and, on the first failure, stops every stage, waits until all
+have stopped, and re-raises the original exception with the stage, task and micro-batch named.
+Serially, the same loop runs every stage's tasks on the calling thread, in the order of the
+unit-cost diagram, so that each task is timed alone. Stages in other processes run the same loop
+(engine/distributed/runner.py).
+"""
+from __future__ import annotations
+
+import queue
+import threading
+import time
+import weakref
+from contextlib import ExitStack, contextmanager
+from typing import Callable, Iterable, Optional
+
+from .call import Call, Decision
+from .schedule import Task, timeline, upstream
+from .stages import LocalStages
+from .trace import Event, Trace
+from .transport import Aborted, StageFailed, ThreadTransport, message_key
+
+EventCallback = Optional[Callable[[Event], None]]
+Mark = tuple  # (task, start mark, end mark)
+
+
+def run_tasks(local: LocalStages, work: Iterable[tuple[int, Task]], transport,
+              on_mark: Optional[Callable[[int, Task, object, object], None]] = None, prefix: str = "") -> list[Mark]:
+    """Run `work`, (stage, task) pairs, in order on the calling thread, each under its stage's device
+    setup; return their (task, start, end) marks. `on_mark(stage, task, start, end)` is told of each
+    as it ends. A failure is re-raised with `prefix` and its place in the message; Aborted (another
+    stage failed) is passed on as it is."""
+    marks: list[Mark] = []
+    current, setup, stage, task = None, ExitStack(), None, None
+    try:
+        for stage, task in work:
+            transport.check()
+            if stage != current:
+                setup.close()
+                setup, current = local.devices[stage].enter(), stage
+            chunk = local.chunks[task.chunk]
+            received = transport.receive(stage, message_key(task)) if upstream(task, chunk.count) else None
+            start = chunk.device.mark()  # after the input arrived: waiting is idle time, not work
+            message = chunk.run(task, received)
+            end = chunk.device.mark()
+            if message is not None:  # sent after the end mark: the receiver never starts before it
+                destination, key, value = message
+                transport.send(chunk.index, destination, key, value)
+            marks.append((task, start, end))
+            if on_mark is not None:
+                on_mark(stage, task, start, end)
+    except (Aborted, StageFailed):  # another stage failed: named where it happened
+        raise
+    except BaseException as exc:
+        raise name_place(exc, stage, task, prefix)
+    finally:
+        setup.close()
+    return marks
+
+
+def events_of(local: LocalStages, marks: list[Mark], on_event: EventCallback) -> list[Event]:
+    """The timed events of a call's marks, in start order. On CUDA the times are known only now
+    (it waits for the GPU), so the callback hears of them now rather than live."""
+    events = [local.chunks[task.chunk].event(task, a, b, timed=True) for task, a, b in marks]
+    events.sort(key=lambda e: (e.start, e.stage))
+    if on_event is not None and any(device.is_cuda for device in local.devices.values()):
+        for event in events:
+            on_event(event)
+    return events
+
+
+def live(local: LocalStages, on_event: EventCallback):
+    """An `on_mark` that hands each CPU task's event to `on_event` as it ends (None if no callback)."""
+    if on_event is None:
+        return None
+
+    def on_mark(stage: int, task: Task, start, end) -> None:
+        if not local.devices[stage].is_cuda:
+            on_event(local.chunks[task.chunk].event(task, start, end))
+    return on_mark
+
+
+class ThreadRunner:
+    """Runs every stage of a call in this process: on K worker threads, or serially on the caller's."""
+
+    def __init__(self, local: LocalStages, stages: int):
+        self.local, self.stages = local, stages
+        self._threads: Optional[StageThreads] = None
+
+    @contextmanager
+    def calling(self):
+        """The scope of one call: whatever happens, the call's state is dropped at its end."""
+        try:
+            yield
+        finally:
+            self.local.finish()
+
+    def agree(self, decision: Decision) -> Decision:
+        """Every stage is here: the first stage's decision is everyone's."""
+        return decision
+
+    def run(self, call: Call, on_event: EventCallback = None, serial: bool = False):
+        """Run the call's tasks; return (its result, its trace)."""
+        t0 = time.perf_counter()
+        self.local.start(call, t0)
+        transport = ThreadTransport(self.local.chunks, self.stages)
+        if serial:
+            unit = timeline(call.schedule, lambda stage, task: 1.0)
+            order = sorted((start, k, i) for k, times in enumerate(unit) for i, (start, _) in enumerate(times))
+            marks = run_tasks(self.local, [(k, call.schedule[k][i]) for _, k, i in order], transport,
+                              live(self.local, on_event))
+        else:
+            if self._threads is None:
+                self._threads = StageThreads(self.stages)
+            marks = self._threads.run(self.local, call.schedule, transport, on_event)
+        wall = time.perf_counter() - t0
+        result = self.local.conclude(call)
+        trace = Trace(stages=self.stages, micro_batches=call.micro_batches, batch_size=call.decision.batch,
+                      checkpoint=call.checkpoint, kind=("serial " if serial else "") + call.kind,
+                      events=events_of(self.local, marks, on_event),
+                      memory=[self.local.memory(stage) for stage in self.local.devices], wall=wall)
+        return result, trace
+
+    def close(self) -> None:
+        """Stop the worker threads now; a later call starts new ones."""
+        if self._threads is not None:
+            self._threads.close()
+            self._threads = None
+
+
+class StageThreads:
+    """K persistent worker threads, one per stage; each runs the jobs submitted to it in order."""
+
+    def __init__(self, count: int):
+        self._inboxes = [queue.SimpleQueue() for _ in range(count)]
+        for k, inbox in enumerate(self._inboxes):
+            threading.Thread(target=_serve, args=(inbox,), name=f"gpipe-stage-{k}", daemon=True).start()
+        self.close = weakref.finalize(self, _stop, self._inboxes)  # on close() or garbage collection
+
+    def run(self, local: LocalStages, schedule: list[list[Task]], transport: ThreadTransport,
+            on_event: EventCallback) -> list[Mark]:
+        """Run every stage's task list on its thread; return all marks. The first failure stops
+        every stage and is raised here once all have stopped."""
+        reports: queue.SimpleQueue = queue.SimpleQueue()
+        on_mark = live(local, None if on_event is None else lambda event: reports.put(("event", event)))
+
+        def work(stage: int, tasks: list[Task]) -> None:
+            try:
+                reports.put(("done", run_tasks(local, [(stage, task) for task in tasks], transport, on_mark)))
+            except Aborted:
+                reports.put(("done", []))
+            except BaseException as exc:  # reported to the caller, who re-raises it
+                reports.put(("failed", exc))
+
+        for stage, tasks in enumerate(schedule):
+            self._inboxes[stage].put(lambda stage=stage, tasks=tasks: work(stage, tasks))
+        marks, failure, running = [], None, len(schedule)
+        try:
+            while running:
+                kind, payload = reports.get()
+                if kind == "event":
+                    on_event(payload)
+                    continue
+                running -= 1
+                if kind == "done":
+                    marks += payload
+                elif failure is None:
+                    failure = payload
+                    transport.abort()
+        except BaseException:  # e.g. Ctrl-C while waiting, or a failing callback: stop the stages first
+            transport.abort()
+            while running:
+                running -= reports.get()[0] != "event"
+            raise
+        if failure is not None:
+            raise failure
+        return marks
+
+
+def _serve(inbox: queue.SimpleQueue) -> None:
+    while True:
+        job = inbox.get()
+        if job is None:
+            return
+        job()
+        del job  # hold nothing of a finished call while idle
+
+
+def _stop(inboxes) -> None:
+    for inbox in inboxes:
+        inbox.put(None)
+
+
+OP_NAMES = {"F": "forward", "R": "recompute", "B": "backward", "W": "weight gradient"}
+
+
+def place(stage: int, task: Optional[Task]) -> str:
+    """'stage 2, micro-batch 0, forward (F0)': where in the pipeline a task runs (and its chunk, when
+    the stage holds several)."""
+    if task is None:
+        return f"stage {stage}"
+    chunk = f", chunk {task.chunk}" if task.chunk != stage else ""
+    return f"stage {stage}, micro-batch {task.micro}, {OP_NAMES.get(task.op, task.op)} ({task}){chunk}"
+
+
+def name_place(exc: BaseException, stage: int, task: Optional[Task], prefix: str = "") -> BaseException:
+    """Put the stage, task and micro-batch (after `prefix`, such as "rank 1, ") in the exception's
+    message, keeping its type."""
+    where = prefix + place(stage, task)
+    if exc.args and isinstance(exc.args[0], str):
+        exc.args = (f"[{where}] {exc.args[0]}",) + exc.args[1:]
+    else:
+        exc.args = (f"[{where}] {exc}",)
+    return exc

@@ -1,0 +1,81 @@
+"""The stages one process runs: their chunks of layers and devices, prepared and concluded per call.
+
+With threads a process runs every stage; with processes (engine/distributed) only its own. Either
+way a runner starts the call here, runs the tasks, and concludes it here.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from .call import Call
+from .chunk import Chunk
+from .device import StageDevice
+from .memory import ActivationLedger
+from .microbatch import gather
+from .trace import StageMemory
+
+
+class LocalStages:
+    """`chunks` by chunk index and `devices` by stage, for the stages this process runs."""
+
+    def __init__(self, chunks: dict[int, Chunk], devices: dict[int, StageDevice], chunk_count: int):
+        self.chunks, self.devices, self.chunk_count = chunks, devices, chunk_count
+
+    @property
+    def runs_first(self) -> bool:
+        """Whether this process runs the model's first chunk (it reads the inputs)."""
+        return 0 in self.chunks
+
+    @property
+    def runs_last(self) -> bool:
+        """Whether this process runs the model's last chunk (it reads the targets, computes the loss)."""
+        return self.chunk_count - 1 in self.chunks
+
+    def start(self, call: Call, t0: float) -> None:
+        """Begin a call: time origin and peak memory reset per device, and one activation ledger per
+        stage, shared by all of its chunks."""
+        for device in {d.device for d in self.devices.values() if d.is_cuda}:
+            torch.cuda.synchronize(device)
+            torch.cuda.reset_peak_memory_stats(device)
+        for stage, device in self.devices.items():
+            device.start(t0)
+            mine = [chunk for chunk in self.chunks.values() if chunk.stage == stage]
+            ledger = ActivationLedger([p for chunk in mine for p in chunk.parameters()])
+            for chunk in mine:
+                chunk.start(call, ledger)
+
+    def conclude(self, call: Call):
+        """After every task ran: deferred batch norm's statistics, and the call's result if this
+        process holds the last chunk (the mini-batch loss of a step, the joined outputs of a forward)."""
+        for chunk in self.chunks.values():
+            if chunk.batch_norm is not None:
+                chunk.batch_norm.finish_step()
+        if not self.runs_last:
+            return None
+        state = self.chunks[self.chunk_count - 1].state
+        if call.training:
+            weights = call.weights
+            return sum(state.losses[m] * weights[m] for m in range(call.micro_batches))
+        return gather([state.outputs[m] for m in range(call.micro_batches)])
+
+    def finish(self) -> None:
+        """Drop every reference the call kept (graphs, inputs, outputs), so nothing outlives it."""
+        for chunk in self.chunks.values():
+            chunk.finish()
+
+    def memory(self, stage: int) -> StageMemory:
+        """Memory of one stage: its chunks' parameters and gradients, its activation peak."""
+        chunks = [chunk for chunk in self.chunks.values() if chunk.stage == stage]
+        params = [p for chunk in chunks for p in chunk.parameters()]
+        device = self.devices[stage]
+        return StageMemory(
+            stage=stage, device=str(device.device),
+            param_bytes=sum(p.numel() * p.element_size() for p in params),
+            grad_bytes=sum(p.grad.numel() * p.grad.element_size() for p in params if p.grad is not None),
+            activation_peak_bytes=chunks[0].ledger.peak, device_peak_bytes=device.peak_bytes())
+
+    def chunk_of(self, stage: int) -> Optional[Chunk]:
+        """The first chunk a stage runs."""
+        return next((chunk for chunk in self.chunks.values() if chunk.stage == stage), None)
