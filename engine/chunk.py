@@ -152,9 +152,9 @@ class Chunk:
 
     def _backward(self, micro: int, received):
         x, out, noted = self.state.graphs.pop(micro)
-        if self.is_last:
-            roots = [out]
-            grads = [torch.tensor(self.call.weights[micro], dtype=out.dtype, device=out.device)]
+        if self.is_last:  # a loss that depends on no parameter or input (a parameter-free model) has no backward
+            roots = [out] if out.requires_grad else []
+            grads = [torch.tensor(self.call.weights[micro], dtype=out.dtype, device=out.device)][:len(roots)]
         else:
             grads_out = tensors_of(self.device.receive(received))
             pairs = [(o, g) for o, g in zip(tensors_of(out), grads_out) if g is not None and o.requires_grad]

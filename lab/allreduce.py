@@ -8,13 +8,13 @@ all-reduce a tensor of that size a few times, and report the median; none is lef
 """
 from __future__ import annotations
 
-import queue
 import statistics
 import time
 from datetime import timedelta
 
 import torch
-import torch.multiprocessing as mp
+
+from engine.distributed.children import Children
 
 
 def time_all_reduce(nbytes: int, devices: int = 2, rounds: int = 5, timeout: float = 120.0) -> dict:
@@ -24,36 +24,31 @@ def time_all_reduce(nbytes: int, devices: int = 2, rounds: int = 5, timeout: flo
         raise ValueError(f"devices={devices}: an all-reduce needs at least 2 processes")
     store = torch.distributed.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
                                        timeout=timedelta(seconds=timeout))
-    context = mp.get_context("spawn")
-    answers = context.Queue()
     numel = max(1, nbytes // 4)
-    workers = [context.Process(target=_all_reduce, args=(rank, devices, store.port, numel, rounds, answers),
-                               daemon=True) for rank in range(devices)]
-    for worker in workers:
-        worker.start()
+    members = Children(Member, [(rank, devices, store.port) for rank in range(devices)], name="all-reduce",
+                       timeout=timeout)
     try:
-        times = answers.get(timeout=timeout)
-    except queue.Empty:
-        raise RuntimeError(f"the all-reduce processes did not answer within {timeout:.0f} s") from None
+        times = members.ask([(numel, rounds)] * devices)[0]
     finally:
-        for worker in workers:
-            worker.join(timeout=10)
-            if worker.is_alive():
-                worker.kill()
-                worker.join()
-    if isinstance(times, str):
-        raise RuntimeError(f"an all-reduce process failed: {times}")
+        members.close()
     return {"devices": devices, "gradient bytes": numel * 4, "bytes sent per device (ring)": 2 * (devices - 1) /
             devices * numel * 4, "seconds": statistics.median(times), "rounds": len(times)}
 
 
-def _all_reduce(rank: int, devices: int, port: int, numel: int, rounds: int, answers) -> None:
-    import torch.distributed as dist
+class Member:
+    """One process of the all-reduce: joins the group, then times all-reduces of the size asked."""
 
-    torch.set_num_threads(1)
-    try:
+    def __init__(self, rank: int, devices: int, port: int):
+        import torch.distributed as dist
+
+        torch.set_num_threads(1)
         client = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=60))
         dist.init_process_group("gloo", store=client, rank=rank, world_size=devices)
+
+    def __call__(self, command: tuple[int, int]) -> list[float]:
+        import torch.distributed as dist
+
+        numel, rounds = command
         tensor = torch.ones(numel)
         dist.all_reduce(tensor)  # warm-up: connections, buffers
         times = []
@@ -62,9 +57,9 @@ def _all_reduce(rank: int, devices: int, port: int, numel: int, rounds: int, ans
             start = time.perf_counter()
             dist.all_reduce(tensor)
             times.append(time.perf_counter() - start)
-        if rank == 0:
-            answers.put(times)
-        dist.barrier()
+        return times
+
+    def close(self) -> None:
+        import torch.distributed as dist
+
         dist.destroy_process_group()
-    except Exception as error:  # reported to the parent, which raises it
-        answers.put(f"rank {rank}: {type(error).__name__}: {error}")

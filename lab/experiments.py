@@ -18,7 +18,7 @@ from engine import GPipe, balance_by_size, balance_by_time
 from engine.balance import layer_sizes, layer_times
 from engine.device import cpu_cores
 from engine.microbatch import tensors_of
-from engine.schedule import CHECKPOINT_MODES, SCHEDULES
+from engine.schedule import CHECKPOINT_MODES, SCHEDULES, check_layout
 from engine.partition import even_balance
 from engine.trace import Event, Message, Trace
 
@@ -131,19 +131,7 @@ def check(config: RunConfig) -> None:
         raise ValueError(f"checkpoint={config.checkpoint!r}: expected one of {CHECKPOINT_MODES}")
     if config.schedule not in SCHEDULES:
         raise ValueError(f"schedule={config.schedule!r}: expected one of {tuple(SCHEDULES)}")
-    v = config.virtual_stages
-    if config.schedule == "interleaved":
-        if v < 2:
-            raise ValueError(f"v={v}: the interleaved schedule gives each stage at least 2 chunks of layers")
-        if config.stages * v > config.layers:
-            raise ValueError(f"K={config.stages} stages x v={v} chunks = {config.stages * v} chunks but the "
-                             f"{config.model} has only {config.layers} layers: use fewer chunks or more blocks")
-        if config.micro_batches % config.stages:
-            raise ValueError(f"M={config.micro_batches}: the interleaved schedule needs M to be a multiple of "
-                             f"K={config.stages} (Megatron-LM's rule), for example "
-                             f"M={config.stages * -(-config.micro_batches // config.stages)}")
-    elif v != 1:
-        raise ValueError(f"v={v}: several chunks per stage apply to the interleaved schedule only")
+    check_layout(config.schedule, config.stages, config.micro_batches, config.virtual_stages, config.layers)
     if config.balance not in BALANCES:
         raise ValueError(f"balance={config.balance!r}: expected one of {BALANCES}")
     if config.device not in ("cpu", "cuda"):

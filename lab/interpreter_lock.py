@@ -7,9 +7,8 @@ import threading
 import time
 from queue import SimpleQueue
 
-import torch.multiprocessing as mp
-
 from engine.device import cpu_cores
+from engine.distributed.children import Children
 
 
 def spin(count: int) -> tuple[float, float]:
@@ -25,6 +24,11 @@ def _spin_after(barrier, count: int, spans) -> None:
     """Wait for the other worker, then spin and put (start, end) into `spans`."""
     barrier.wait()
     spans.put(spin(count))
+
+
+def spinner():
+    """A child process's server: each command is a count to spin, the answer its (start, end)."""
+    return spin
 
 
 def _span(spans: list[tuple[float, float]]) -> float:
@@ -47,17 +51,11 @@ def python_in_parallel(count: int = 5_000_000) -> dict:
     for thread in threads:
         thread.join()
     in_threads = _span([spans.get() for _ in threads])
-    context = mp.get_context("spawn")
-    answers, meeting = context.Queue(), context.Barrier(2)
-    workers = [context.Process(target=_spin_after, args=(meeting, count, answers), daemon=True) for _ in range(2)]
-    for worker in workers:
-        worker.start()
+    workers = Children(spinner, [()] * 2, name="spinner", timeout=120)
     try:
-        in_processes = _span([answers.get(timeout=120) for _ in workers])
+        workers.ask([count // 10] * 2)  # warm-up, and both are up before the measured run
+        in_processes = _span(workers.ask([count] * 2))
     finally:
-        for worker in workers:
-            worker.join(timeout=10)
-            if worker.is_alive():
-                worker.kill()
+        workers.close()
     return {"cores": cpu_cores(), "alone (s)": alone, "2 threads (s)": in_threads, "2 processes (s)": in_processes,
             "2 threads / alone": in_threads / alone, "2 processes / alone": in_processes / alone}

@@ -10,22 +10,19 @@ step of the same round.
 from __future__ import annotations
 
 import importlib.util
-import io
 import os
-import queue
 import socket
 import statistics
 import time
-import traceback
 from dataclasses import dataclass
 from typing import Callable, Iterator, Optional
 
 import torch
-import torch.multiprocessing as mp
 from torch import nn
 
 from engine import GPipe
 from engine.device import keep_freed_cpu_memory
+from engine.distributed.children import Children
 from engine.distributed.pool import ProcessPool
 
 from . import models, theory
@@ -154,47 +151,19 @@ class PipeliningProcesses:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
-        context = mp.get_context("spawn")
-        self.timeout_s = timeout_s
-        self.replies = context.Queue()
-        self.commands = [context.Queue() for _ in range(2)]
-        self.processes = [context.Process(target=_pipelining_worker, daemon=True,
-                                          args=(rank, port, work, tuned_malloc, self.commands[rank], self.replies))
-                          for rank in range(2)]
-        for process in self.processes:
-            process.start()
+        self.ranks = Children(PipeliningRank, [(rank, port, work, tuned_malloc) for rank in range(2)],
+                              name="torch.distributed.pipelining rank", timeout=timeout_s)
 
     def ask(self, command: str, micro: int = 0) -> list:
-        """Send `command` to both ranks and return their answers, rank 0 first; a failure in a
-        worker is raised here with its traceback, a dead or silent worker after at most the timeout."""
-        for commands in self.commands:
-            commands.put((command, micro))
-        answers, deadline = {}, time.monotonic() + self.timeout_s
-        while len(answers) < 2:
-            try:
-                rank, ok, answer = self.replies.get(timeout=1)
-            except queue.Empty:
-                dead = [p.exitcode for p in self.processes if not p.is_alive()]
-                if dead or time.monotonic() > deadline:
-                    raise RuntimeError(f"torch.distributed.pipelining workers stopped answering '{command}' "
-                                       f"at M={micro} (exit codes {dead or 'none: timed out'})") from None
-                continue
-            if not ok:
-                raise RuntimeError(f"torch.distributed.pipelining rank {rank} failed at M={micro}:\n{answer}")
-            answers[rank] = answer
-        return [answers[0], answers[1]]
+        """Send `command` to both ranks and return their answers, rank 0 first; a failure in a rank
+        is raised here with its own type, a dead or silent rank after at most the timeout."""
+        return self.ranks.ask([(command, micro)] * 2)
 
     def at(self, micro: int) -> "PipeliningAt":
         return PipeliningAt(self, micro)
 
     def close(self) -> None:
-        for commands in self.commands:
-            commands.put(("stop", 0))
-        for process in self.processes:
-            process.join(timeout=30)
-            if process.is_alive():
-                process.kill()
-                process.join()
+        self.ranks.close()
 
 
 @dataclass
@@ -237,55 +206,54 @@ class PipeliningAt:
 
     def grads(self) -> list[torch.Tensor]:
         first, second = self.processes.ask("grads", self.micro)
-        return torch.load(io.BytesIO(first)) + torch.load(io.BytesIO(second))
+        return first + second
 
     def close(self) -> None:
         pass
 
 
-def _pipelining_worker(rank: int, port: int, work: Workload, tuned_malloc: bool, commands, replies) -> None:
-    """One rank: builds its half of the model, then serves ("step" | "grads" | "stop", M) commands.
-    With `tuned_malloc` its malloc keeps freed memory, as the racing process's does."""
-    import torch.distributed as dist
-    from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
+class PipeliningRank:
+    """One rank of the peer: builds its half of the model, then serves ("step" | "grads", M)
+    commands. With `tuned_malloc` its malloc keeps freed memory, as the racing process's does."""
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    if tuned_malloc:
-        keep_freed_cpu_memory()
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=2)
-    try:
-        model, (x, y) = work.model(), work.data()
+    def __init__(self, rank: int, port: int, work: Workload, tuned_malloc: bool):
+        import torch.distributed as dist
+
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        if tuned_malloc:
+            keep_freed_cpu_memory()
+        torch.set_num_threads(1)
+        dist.init_process_group("gloo", rank=rank, world_size=2)
+        self.rank = rank
+        model, (self.x, self.y) = work.model(), work.data()
         half = work.blocks // 2
-        part = nn.Sequential(*(list(model)[:half] if rank == 0 else list(model)[half:]))
-        schedules: dict[int, ScheduleGPipe] = {}
-        while True:
-            command, micro = commands.get()
-            if command == "stop":
-                return
-            try:
-                if micro not in schedules:
-                    stage = PipelineStage(part, rank, 2, torch.device("cpu"))
-                    schedules[micro] = ScheduleGPipe(stage, n_microbatches=micro, loss_fn=nn.functional.mse_loss)
-                if command == "step":
-                    part.zero_grad()
-                    dist.barrier()
-                    start = time.perf_counter()
-                    if rank == 0:
-                        schedules[micro].step(x)
-                    else:
-                        schedules[micro].step(target=y, losses=[])
-                    replies.put((rank, True, time.perf_counter() - start))
-                elif command == "grads":
-                    buffer = io.BytesIO()  # plain bytes: shared-memory tensors would die with this process
-                    torch.save([p.grad.clone() for p in part.parameters()], buffer)
-                    replies.put((rank, True, buffer.getvalue()))
-                else:
-                    raise ValueError(f"unknown command {command!r}; expected 'step', 'grads' or 'stop'")
-            except Exception:
-                replies.put((rank, False, traceback.format_exc()))
-                return
-    finally:
+        self.part = nn.Sequential(*(list(model)[:half] if rank == 0 else list(model)[half:]))
+        self.schedules: dict = {}
+
+    def __call__(self, command: tuple[str, int]):
+        import torch.distributed as dist
+        from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
+
+        what, micro = command
+        if what not in ("step", "grads"):
+            raise ValueError(f"unknown command {what!r}; expected 'step' or 'grads'")
+        if micro not in self.schedules:
+            stage = PipelineStage(self.part, self.rank, 2, torch.device("cpu"))
+            self.schedules[micro] = ScheduleGPipe(stage, n_microbatches=micro, loss_fn=nn.functional.mse_loss)
+        if what == "grads":
+            return [p.grad.clone() for p in self.part.parameters()]
+        self.part.zero_grad()
+        dist.barrier()
+        start = time.perf_counter()
+        if self.rank == 0:
+            self.schedules[micro].step(self.x)
+        else:
+            self.schedules[micro].step(target=self.y, losses=[])
+        return time.perf_counter() - start
+
+    def close(self) -> None:
+        import torch.distributed as dist
+
         dist.destroy_process_group()
 
 

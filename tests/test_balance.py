@@ -91,3 +91,14 @@ def test_balance_leaves_batch_norm_statistics_alone():
     balance_by_time(2, model, torch.randn(8, 4))
     balance_by_size(2, model, torch.randn(8, 4))
     assert torch.equal(model[1].running_mean, before) and int(model[1].num_batches_tracked) == 0
+
+
+def test_balance_by_time_profiles_a_parameter_free_model_in_eval_mode():
+    class Identity(nn.Module):  # no parameters, and an input that does not require grad
+        def forward(self, x):
+            return x
+
+    model = nn.Sequential(Identity(), Identity()).eval()
+    assert balance_by_time(1, nn.Sequential(Identity()).eval(), torch.rand(1)) == [1]
+    assert sum(balance_by_time(2, model, torch.rand(4, 3))) == 2
+    assert not model.training  # the model's own mode is left alone

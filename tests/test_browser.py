@@ -26,9 +26,10 @@ def free_port() -> int:
 
 
 @pytest.fixture(scope="module")
-def server():
+def server(tmp_path_factory):
     port = free_port()
-    log = open(os.devnull, "w")
+    log_path = tmp_path_factory.mktemp("server") / "server.log"
+    log = open(log_path, "w")
     process = subprocess.Popen(
         [sys.executable, "-m", "streamlit", "run", str(ROOT / "app.py"), "--server.headless", "true",
          "--server.address", "127.0.0.1", "--server.port", str(port), "--browser.gatherUsageStats", "false"],
@@ -45,7 +46,7 @@ def server():
             assert process.poll() is None, "streamlit exited during start-up"
             assert time.monotonic() < deadline, "streamlit did not become healthy within 90 s"
             time.sleep(0.5)
-        yield url
+        yield url, log_path
     finally:
         stage_processes = children(process.pid)  # the app's shared stage processes, if it made them
         process.terminate()
@@ -60,6 +61,13 @@ def server():
         assert not [p for p in stage_processes if alive(p)], "stage processes outlived the server"
 
 
+def problems_in(log_path: Path) -> list[str]:
+    """Lines of the server's output that a user would take for trouble: warnings, errors, tracebacks
+    (from the server itself or from a stage process, which shares its terminal)."""
+    words = ("warning", "error", "traceback", "scriptruncontext", "no runtime found")
+    return [line for line in log_path.read_text().splitlines() if any(w in line.lower() for w in words)]
+
+
 def alive(pid: int) -> bool:
     try:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
@@ -69,6 +77,7 @@ def alive(pid: int) -> bool:
 
 @pytest.mark.timeout(240)
 def test_app_renders_and_the_m_slider_redraws_the_gantt(server, tmp_path):
+    server, log_path = server
     playwright = pytest.importorskip("playwright.sync_api")
     assert Path(CHROMIUM).exists(), "Debian chromium is missing: apt-get install -y chromium"
     with playwright.sync_playwright() as p:
@@ -82,6 +91,8 @@ def test_app_renders_and_the_m_slider_redraws_the_gantt(server, tmp_path):
             assert {op: counts[op] for op in ("forward", "recompute", "backward")} == \
                 {"forward": 16, "recompute": 14, "backward": 16}  # defaults: K=2, M=8
             assert counts.get("sending") == counts.get("receiving") == 16  # by default stages are processes
+            assert not problems_in(log_path), "the page load left this in the server's terminal:\n" + \
+                "\n".join(problems_in(log_path)[:20])
             page.screenshot(path=str(tmp_path / "app.png"))
 
             slider = page.locator("[data-testid='stSlider'] input[type='range'][aria-label='micro-batches M']")
@@ -104,6 +115,7 @@ def test_app_renders_and_the_m_slider_redraws_the_gantt(server, tmp_path):
 
 @pytest.mark.timeout(300)
 def test_three_sessions_at_once_share_the_stage_processes_without_errors(server):
+    server, log_path = server
     playwright = pytest.importorskip("playwright.sync_api")
     with playwright.sync_playwright() as p:
         browser = p.chromium.launch(executable_path=CHROMIUM,
@@ -121,5 +133,6 @@ def test_three_sessions_at_once_share_the_stage_processes_without_errors(server)
                 assert "measured (processes)" in title, title
                 assert page.locator("[data-testid='stException']").count() == 0
                 assert page.locator("[data-testid='stAlertContentError']").count() == 0
+            assert not problems_in(log_path), "\n".join(problems_in(log_path)[:20])
         finally:
             browser.close()

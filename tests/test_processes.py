@@ -249,3 +249,34 @@ def test_one_rank_with_several_chunks_hands_activations_to_itself(batch):
         assert {e.chunk for e in pool.trace.events} == {0, 1, 2} and not pool.trace.messages
     reference = mlp()
     assert loss.item() == pytest.approx(LOSS(reference(x), y).item(), rel=1e-6)
+
+
+@pytest.mark.timeout(240)
+def test_rebuilding_a_pipe_fifty_times_leaks_no_group_thread_or_file_descriptor(pools, batch):
+    pool = pools(2)
+    x, y = batch
+
+    def build_and_step():
+        pool.build("conftest:mlp", {}, chunks=2)
+        pool.step(x, y, LOSS)
+
+    for _ in range(2):
+        build_and_step()
+    after_two = pool.resources()
+    for _ in range(48):
+        build_and_step()
+    after_fifty = pool.resources()
+    for rank, (two, fifty) in enumerate(zip(after_two, after_fifty)):
+        for what in ("process groups", "threads", "file descriptors"):
+            assert fifty[what] <= two[what], f"stage {rank}: {what} grew from {two[what]} to {fifty[what]}"
+
+
+def test_the_thread_engine_never_imports_the_process_path():
+    code = ("import sys, torch; from torch import nn; from engine import GPipe, balance_by_time\n"
+            "model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))\n"
+            "pipe = GPipe(model, balance_by_time(2, model, torch.randn(3, 4)), chunks=2)\n"
+            "pipe.step(torch.randn(6, 4), torch.randint(0, 2, (6,)), nn.functional.cross_entropy)\n"
+            "print(sorted(m for m in sys.modules if m.startswith('engine.distributed')))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "[]"
