@@ -5,8 +5,6 @@ way a runner starts the call here, runs the tasks, and concludes it here.
 """
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 
 from .call import Call
@@ -75,7 +73,3 @@ class LocalStages:
             param_bytes=sum(p.numel() * p.element_size() for p in params),
             grad_bytes=sum(p.grad.numel() * p.grad.element_size() for p in params if p.grad is not None),
             activation_peak_bytes=chunks[0].ledger.peak, device_peak_bytes=device.peak_bytes())
-
-    def chunk_of(self, stage: int) -> Optional[Chunk]:
-        """The first chunk a stage runs."""
-        return next((chunk for chunk in self.chunks.values() if chunk.stage == stage), None)
