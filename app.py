@@ -9,8 +9,9 @@ import time
 
 import streamlit as st
 
-from lab import charts, replay, schedules, speedup, theory
-from lab.experiments import APP_DEFAULT, BALANCES, RunConfig, RunRecord, check, run
+from lab import charts, processes, replay, schedules, speedup, theory
+from lab.experiments import (APP_DEFAULT, BALANCES, MEASURE_ROUNDS, MEASURE_WARMUP, RunConfig, RunRecord, check,
+                             micro_batch_count, run)
 from lab.models import ZOO
 from lab.processes import StageProcessError
 
@@ -31,9 +32,12 @@ _handed_over: dict[RunConfig, RunRecord] = {}  # a record just measured live, on
 
 @st.cache_data(max_entries=200, show_spinner=False)
 def measured_run(config: RunConfig) -> RunRecord:
-    """One configuration, measured (and timed task by task for the ideal replay); cached."""
+    """One configuration, measured over MEASURE_ROUNDS steps beside K=1 (and timed task by task for the
+    ideal replay); cached."""
     record = _handed_over.pop(config, None)
-    return record if record is not None else run(config, replay=True)
+    if record is None:
+        record = run(config, replay=True, rounds=MEASURE_ROUNDS, baseline=True, warmup=MEASURE_WARMUP)
+    return record
 
 
 @st.cache_data(max_entries=200, show_spinner=False)
@@ -90,13 +94,18 @@ def controls() -> RunConfig:
 
 
 def live_run(config: RunConfig) -> RunRecord:
-    """Run the configuration drawing its warm-up step's Gantt chart as tasks finish, unless this
-    session has run it already (then the cache answers at once). The chart that stays is the next
-    step, measured with nothing drawn meanwhile. Drawing happens outside the cached function, which
-    must not call Streamlit elements; the finished record is handed to the cache."""
+    """Run the configuration, unless this session has run it already (then the cache answers at
+    once): the theory diagram at once, then the warm-up step's Gantt chart as its tasks finish;
+    the chart that stays is the median of the measured steps, run with nothing drawn meanwhile.
+    Drawing happens outside the cached function, which must not call Streamlit elements; the
+    finished record is handed to the cache."""
     seen = st.session_state.setdefault("seen", set())
     if config not in seen:
         placeholder = st.empty()
+        sketch = replay.theory(config.stages, micro_batch_count(config), config.checkpoint, schedule=config.schedule,
+                               virtual=config.virtual_stages)
+        placeholder.plotly_chart(charts.gantt(sketch, title=f"{sketch.label}: measuring this host now..."),
+                                 key="live-theory")
         events, last = [], [0.0]
 
         def on_event(event) -> None:
@@ -113,7 +122,8 @@ def live_run(config: RunConfig) -> RunRecord:
             placeholder.info("Waiting: another session is running on the shared stage processes; this run "
                              "starts as soon as that one is done.")
 
-        _handed_over[config] = run(config, on_event=on_event, replay=True, on_wait=on_wait)
+        _handed_over[config] = run(config, on_event=on_event, replay=True, on_wait=on_wait, rounds=MEASURE_ROUNDS,
+                                   baseline=True, warmup=MEASURE_WARMUP)
         placeholder.empty()
         if waiting:
             st.session_state.setdefault("waited", {})[config] = time.perf_counter() - waiting[0]
@@ -147,32 +157,30 @@ def show_pipeline(record: RunRecord, config: RunConfig) -> None:
                    "matching read is the message on its way, or waiting while its receiver computes.")
 
 
-def baseline(config: RunConfig) -> RunConfig:
-    """K=1 at the same M: one stage needs no transport (nor a schedule), so every setting compares
-    with the same run."""
-    return config.but(stages=1, balance="uniform", transport="threads", schedule="gpipe", virtual_stages=1)
-
-
 def show_numbers(record: RunRecord, config: RunConfig) -> None:
     st.subheader("2 · Measured against theory")
-    single = side_run(baseline(config), warmup=1)
     ideal = replay.of_record(record, "ideal replay")
-    cols = st.columns(5)
     micro = record.micro_batches  # what torch.chunk made of M
-    cols[0].metric("bubble, measured", f"{record.bubble:.0%}",
-                   f"theory (K-1)/(M+K-1) = {theory.bubble(config.stages, micro):.0%}", delta_color="off")
-    cols[1].metric("step time", f"{record.makespan * 1e3:.0f} ms", f"ideal replay {ideal.makespan * 1e3:.0f} ms",
+    bubble, step, rate, speed = (record.spread(what) for what in
+                                 ("bubble", "step", "samples_per_second", "speedup"))
+    cols = st.columns(5)
+    cols[0].metric("bubble", f"{bubble[0]:.0%}", f"theory {theory.bubble(config.stages, micro):.0%}",
                    delta_color="off")
-    cols[2].metric("samples/s", f"{record.samples_per_second:,.0f}")
-    cols[3].metric("speedup over K=1 (same M)", f"{single.makespan / record.makespan:.2f}x",
-                   f"replayed {single.makespan / ideal.makespan:.2f}x, ideal "
-                   f"{theory.ideal_speedup(config.stages, micro):.2f}x", delta_color="off")
+    cols[1].metric("step time", f"{step[0] * 1e3:.0f} ms", f"{step[1] * 1e3:.0f} to {step[2] * 1e3:.0f} ms",
+                   delta_color="off")
+    cols[2].metric("samples/s", f"{rate[0]:,.0f}", f"{rate[1]:,.0f} to {rate[2]:,.0f}", delta_color="off")
+    cols[3].metric("speedup over K=1", f"{speed[0]:.2f}x", f"{speed[1]:.2f} to {speed[2]:.2f}x", delta_color="off")
     cols[4].metric("loss", f"{record.loss:.3f}")
+    st.caption(f"Medians of {len(record.rounds)} measured steps, each followed by a step of K=1 at the same M (one "
+               f"stage on one core, in the server's own process), so that both share this host's noise; under each "
+               f"figure its range. The bubble's theory is (K-1)/(M+K-1). The ideal replay of this step (its task "
+               f"times laid out as if every stage had a device of its own) takes {ideal.makespan * 1e3:.0f} ms; "
+               f"ideal speedup K·M/(M+K-1) = {theory.ideal_speedup(config.stages, micro):.2f}x.")
     if micro < 4 * config.stages:
         st.caption(f"Rule of thumb from the paper: M >= 4K, here M >= {4 * config.stages}, makes the bubble negligible.")
-    st.caption("The measured speedup can exceed the bubble's bound K*M/(M+K-1): the K=1 step runs M small "
-               "micro-batches one after another on one core, while each stage of the pipeline keeps only its "
-               "own layers' weights and activations hot in its cache.")
+    st.caption("The measured speedup can exceed K·M/(M+K-1): the K=1 step runs M small micro-batches one after "
+               "another on one core, while each stage of the pipeline keeps only its own layers' weights and "
+               "activations hot in its cache.")
     show_traffic(record, config)
 
 
@@ -180,9 +188,10 @@ def show_traffic(record: RunRecord, config: RunConfig) -> None:
     """What the stages sent each other, and the speedup of both transports at these settings."""
     if config.stages > 1:
         cols = st.columns(3)
-        cols[0].metric("communication share of the step", f"{record.communication_share:.0%}",
-                       "stage threads sending and reading messages" if record.messages else
-                       "threads hand tensors over in memory", delta_color="off")
+        share = record.spread("communication_share")
+        cols[0].metric("communication share", f"{share[0]:.0%}",
+                       f"{share[1]:.0%} to {share[2]:.0%}" if record.messages else "none: threads share memory",
+                       delta_color="off")
         per_cut = [(b["activations"] + b["gradients"]) / 2 ** 20 for b in record.boundary_bytes]
         cols[1].metric("bytes per boundary per step", ", ".join(f"{mib:.2f} MiB" for mib in per_cut),
                        record.boundary_how, delta_color="off")
@@ -190,12 +199,12 @@ def show_traffic(record: RunRecord, config: RunConfig) -> None:
         if cols[2].button(f"measure with {other} too", key="other_transport"):
             st.session_state.setdefault("compared", set()).add(config.but(transport=other))
         if config.but(transport=other) in st.session_state.get("compared", set()):
-            single = side_run(baseline(config), warmup=1)
-            runs = {config.transport: record, other: side_run(config.but(transport=other), warmup=1)}
-            st.dataframe([{"stages run as": name, "step (ms)": round(r.makespan * 1e3, 1),
-                           "speedup over K=1 (same M)": round(single.makespan / r.makespan, 2),
-                           "communication share": f"{r.communication_share:.0%}"} for name, r in runs.items()],
-                         hide_index=True)
+            runs = {config.transport: record, other: measured_run(config.but(transport=other))}
+            st.dataframe([{"stages run as": name, "step (ms)": round(r.spread("step")[0] * 1e3, 1),
+                           "speedup over K=1 (same M)": round(r.spread("speedup")[0], 2),
+                           "speedup range": "{1:.2f} to {2:.2f}".format(*r.spread("speedup")),
+                           "communication share": f"{r.spread('communication_share')[0]:.0%}"}
+                          for name, r in runs.items()], hide_index=True)
         params = sum(m["param_bytes"] for m in record.memory)
         st.plotly_chart(charts.boundary_chart(record.boundary_bytes, record.boundary_how, params, config.stages),
                         key="boundary")
@@ -244,10 +253,10 @@ def show_bubble(record: RunRecord, config: RunConfig) -> None:
 def show_speedup(config: RunConfig) -> None:
     st.subheader("5 · The paper's Table 2 beside this host")
     st.markdown(
-        "Normalized training throughput on TPUs (Huang et al., Table 2). The paper has no one-device column: each "
-        "model is normalized to its own K = 2, M = 1 cell. At M = 1 more devices barely help; with M = 32 the "
-        "Transformer, whose layers are alike, scales almost with K, while AmoebaNet's uneven layers hold it back. "
-        "Some cells beat the bound K·M/(M+K-1): " + theory.PAPER_EXCEEDS_BOUND + ".")
+        "Training throughput on TPUs from the paper (Huang et al., Table 2). There is no one-device column: each "
+        "model's cells are divided by its own K = 2, M = 1 cell. With one micro-batch, more devices barely help; "
+        "with 32, the Transformer, whose layers are alike, scales almost with K, while AmoebaNet's uneven layers "
+        "hold it back. Why a few cells come out above the ideal speedup: " + theory.why_cells_exceed() + ".")
     st.dataframe(charts.paper_table(), width="stretch")
     st.caption("Table 3 of the paper, P100 GPUs without NVLink (M = 32, normalized to K = 2): activations cross "
                "through host memory over PCIe, yet scaling stays close to the TPUs', since only each cut's "
@@ -295,17 +304,18 @@ def show_compare(record: RunRecord, config: RunConfig) -> None:
     if left.button("pin this run", key="pin"):
         pinned.append((f"K={config.stages}, M={config.micro_batches}, {config.checkpoint}, {config.model}, "
                        f"{config.transport}" + ("" if config.schedule == "gpipe" else f", {config.schedule}"),
-                       record, side_run(baseline(config), warmup=1).makespan))
+                       record))
     if pinned and left.button("clear pins", key="clear_pins"):
         pinned.clear()
     right.caption("Pin runs with different settings (say M = 1 and M = 16) to see them side by side.")
     for start in range(0, len(pinned), 2):
-        for column, (label, pinned_record, single) in zip(st.columns(2), pinned[start:start + 2]):
+        for column, (label, pinned_record) in zip(st.columns(2), pinned[start:start + 2]):
             column.plotly_chart(charts.gantt(replay.of_record(pinned_record, "measured"), title=label),
                                 key=f"pin-{start}-{label}")
-            column.caption(f"bubble {pinned_record.bubble:.0%} · step {pinned_record.makespan * 1e3:.0f} ms · "
-                           f"{pinned_record.samples_per_second:,.0f} samples/s · speedup over K=1 "
-                           f"{single / pinned_record.makespan:.2f}x")
+            column.caption(f"medians: bubble {pinned_record.spread('bubble')[0]:.0%} · step "
+                           f"{pinned_record.spread('step')[0] * 1e3:.0f} ms · "
+                           f"{pinned_record.spread('samples_per_second')[0]:,.0f} samples/s · speedup over K=1 "
+                           f"{pinned_record.spread('speedup')[0]:.2f}x")
 
 
 def show_downloads(record: RunRecord) -> None:
@@ -328,6 +338,8 @@ def main() -> None:
     except ValueError as error:
         st.error(f"This combination cannot run: {error}")
         return
+    if config.transport == "processes":  # start them while the page draws the theory diagram
+        processes.start_ahead(config.stages, config.threads_per_stage)
     try:
         record = live_run(config)
         show_pipeline(record, config)

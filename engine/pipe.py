@@ -130,6 +130,12 @@ class GPipe(nn.Module):
                             f"pass several input tensors as one tuple: pipe((a, b))")
         return self._call("forward", inputs, None, None, on_event)
 
+    @property
+    def call_origin(self) -> float:
+        """The time origin of the current (or last) call as a time.perf_counter() reading (with
+        stages as processes, on rank 0's clock): an event's times are seconds from it."""
+        return self._runner.origin
+
     def task_lists(self, micro_batches: int, training: bool = True) -> list[list[schedules.Task]]:
         """Each stage's task list for a call of `micro_batches` micro-batches."""
         if not training:

@@ -90,6 +90,7 @@ class ThreadRunner:
 
     def __init__(self, local: LocalStages, stages: int):
         self.local, self.stages = local, stages
+        self.origin = 0.0  # perf_counter at the start of the current (or last) call: events count from it
         self._threads: Optional[StageThreads] = None
 
     @contextmanager
@@ -106,7 +107,7 @@ class ThreadRunner:
 
     def run(self, call: Call, on_event: EventCallback = None, serial: bool = False):
         """Run the call's tasks; return (its result, its trace)."""
-        t0 = time.perf_counter()
+        t0 = self.origin = time.perf_counter()
         self.local.start(call, t0)
         transport = ThreadTransport(self.local.chunks, self.stages)
         if serial:

@@ -6,9 +6,11 @@ tabulate it and the reproduction CLI can write it to CSV.
 from __future__ import annotations
 
 import os
+import statistics
 import time
+from contextlib import contextmanager, nullcontext
 from dataclasses import asdict, dataclass, field, replace
-from typing import Callable, Iterable, Optional, Union
+from typing import Callable, Iterable, Iterator, Optional, Union
 
 import pandas as pd
 import torch
@@ -16,7 +18,7 @@ from torch import nn
 
 from engine import GPipe, balance_by_size, balance_by_time
 from engine.balance import layer_sizes, layer_times
-from engine.device import cpu_cores
+from engine.device import cpu_cores, keep_freed_cpu_memory
 from engine.microbatch import tensors_of
 from engine.schedule import CHECKPOINT_MODES, SCHEDULES, check_layout
 from engine.partition import even_balance
@@ -60,6 +62,9 @@ class RunConfig:
 # process per stage beats threads of one interpreter (python -m lab.reproduce transports; README).
 APP_DEFAULT = RunConfig(model="transformer", blocks=6, width=128, batch=32, stages=2, micro_batches=8,
                         checkpoint="except_last", transport="processes")
+# How the app (and `python -m lab.reproduce transports`) measures a setting: warm-up steps, then
+# rounds of one step beside one K=1 step, every figure the median over the rounds with its range.
+MEASURE_WARMUP, MEASURE_ROUNDS = 4, 7
 
 
 @dataclass
@@ -82,6 +87,7 @@ class RunRecord:
     messages: list[dict] = field(default_factory=list)  # stage, peer, direction, kind, micro, bytes, start, end
     boundary_bytes: list[dict] = field(default_factory=list)  # per cut: activations and gradients per step
     boundary_how: str = ""  # "sent between processes" or "sizes of the tensors at each cut"
+    rounds: list[dict] = field(default_factory=list)  # per measured step: step, baseline (K=1), bubble, share
 
     @property
     def transport(self) -> str:
@@ -91,8 +97,23 @@ class RunRecord:
     def communication_share(self) -> float:
         """Share of the stages' time spent on messages: their threads' sending and reading time
         over K x makespan (0 with threads, which hand tensors over in memory)."""
-        spent = sum(m["end"] - m["start"] for m in self.messages)
-        return spent / (self.stages * self.makespan) if self.makespan > 0 else 0.0
+        return communication_share(self.messages, self.stages, self.makespan)
+
+    @property
+    def speedups(self) -> list[float]:
+        """Per round, the K=1 step over this step (rounds measured with a baseline)."""
+        return [r["baseline"] / r["step"] for r in self.rounds if r.get("baseline")]
+
+    def spread(self, what: str) -> tuple[float, float, float]:
+        """(median, lowest, highest) over the measured rounds of "step", "bubble",
+        "communication_share", "samples_per_second" or "speedup"."""
+        if what == "speedup":
+            values = self.speedups
+        elif what == "samples_per_second":
+            values = [self.config["batch"] / r["step"] for r in self.rounds]
+        else:
+            values = [r[what] for r in self.rounds]
+        return statistics.median(values), min(values), max(values)
 
     @property
     def stages(self) -> int:
@@ -110,6 +131,24 @@ class RunRecord:
     def events_csv(self) -> str:
         """The measured step's tasks as CSV, one row per task."""
         return pd.DataFrame(self.events).to_csv(index=False)
+
+
+def communication_share(messages: list, stages: int, makespan: float) -> float:
+    """The stage threads' time on messages (sending and reading) over K x makespan."""
+    spent = sum((m["end"] - m["start"]) if isinstance(m, dict) else m.duration for m in messages)
+    return spent / (stages * makespan) if makespan > 0 else 0.0
+
+
+def micro_batch_count(config: RunConfig) -> int:
+    """How many micro-batches the pipeline runs: what torch.chunk makes of N in M pieces (it can
+    be fewer than M)."""
+    return len(range(config.batch)[::-(-config.batch // config.micro_batches)])
+
+
+def baseline_of(config: RunConfig) -> RunConfig:
+    """K=1 at the same M: one stage, in this process, on one thread (one stage needs no transport,
+    nor a schedule, so every setting compares with the same run)."""
+    return config.but(stages=1, balance="uniform", transport="threads", schedule="gpipe", virtual_stages=1)
 
 
 def check(config: RunConfig) -> None:
@@ -210,14 +249,20 @@ def pipeline(config: RunConfig, model: nn.Sequential, balance: list[int]) -> GPi
 
 
 def run(config: RunConfig, on_event: Optional[Callable] = None, replay: Union[bool, str] = False,
-        warmup: int = 1, on_wait: Optional[Callable[[], None]] = None) -> RunRecord:
-    """Build the configuration, run `warmup` unrecorded steps, then one measured step, with the
-    stages as threads of this process or, with `transport="processes"`, as the lab's shared stage
-    processes (lab/processes.py; `on_wait` is called if another run holds them).
+        warmup: int = 1, on_wait: Optional[Callable[[], None]] = None, rounds: int = 1,
+        baseline: bool = False) -> RunRecord:
+    """Build the configuration, run `warmup` unrecorded steps, then `rounds` measured steps, with
+    the stages as threads of this process or, with `transport="processes"`, as the lab's shared
+    stage processes (lab/processes.py; `on_wait` is called if another run holds them). The record
+    shows the median step (by time), and keeps every round's figures for their spread.
 
-    `on_event` receives the events of the first warm-up step (for a live view): as its tasks
-    finish with threads, once it is over with processes. The measured step runs unobserved, since
-    drawing while it runs would take CPU time from the stages and show up in the very timings.
+    With `baseline=True` each round also times one step of K=1 at the same M in this process (one
+    stage on one thread, `baseline_of`), K and K=1 interleaved step by step as the benchmark does,
+    so both share the host's noise; `record.speedups` are the per-round ratios.
+
+    `on_event` receives the events of the first warm-up step as its tasks finish (for a live view).
+    The measured steps run unobserved, since drawing while they run would take CPU time from the
+    stages and show up in the very timings.
 
     With `replay=True`, when the host cannot run all K stages at once, the same step is also run
     one task at a time (`serial=True`, in this process): those task times, not the ones stretched
@@ -225,30 +270,33 @@ def run(config: RunConfig, on_event: Optional[Callable] = None, replay: Union[bo
     it whatever the host, for claims that must hold on any host.
     """
     check(config)
+    if rounds < 1:
+        raise ValueError(f"rounds={rounds}: expected at least one measured step")
+    if config.device == "cpu":
+        keep_freed_cpu_memory()  # as in the stage processes and the benchmarks: every side of a comparison alike
     model, (inputs, targets), loss_fn = build(config)
     balance = choose_balance(config, model, inputs)
     replayed = replay == "always" or (bool(replay) and config.stages > parallel_devices(config))
-    if config.transport == "processes":
-        trace, loss, wall = _steps_in_processes(config, balance, inputs, targets, loss_fn, warmup, on_event, on_wait)
-        solo = None
-        if replayed:
-            solo_pipe = pipeline(config, build(config)[0], balance)
-            try:
-                solo = solo_events(solo_pipe, inputs, targets, loss_fn)
-            finally:
-                solo_pipe.close()
-    else:
-        pipe = pipeline(config, model, balance)
+    single = baseline_of(config)
+    with _stepper(config, model, balance, (inputs, targets, loss_fn), on_wait) as step, \
+            (_stepper(single, build(single)[0], [config.layers], (inputs, targets, loss_fn), None)
+             if baseline else nullcontext()) as single_step:
+        for number in range(warmup):
+            step(on_event if number == 0 else None)
+            if single_step is not None:
+                single_step(None)
+        measured = []
+        for _ in range(rounds):
+            trace, loss, wall = step(None)
+            measured.append((trace, loss, wall, single_step(None)[0].makespan if single_step else None))
+    trace, loss, wall, _ = sorted(measured, key=lambda m: m[0].makespan)[len(measured) // 2]
+    solo = None
+    if replayed:
+        solo_pipe = pipeline(config, build(config)[0], balance)
         try:
-            for step in range(warmup):
-                pipe.step(inputs, targets, loss_fn, on_event=on_event if step == 0 else None)
-            start = time.perf_counter()
-            loss = pipe.step(inputs, targets, loss_fn).item()
-            wall = time.perf_counter() - start
-            trace = pipe.trace
-            solo = solo_events(pipe, inputs, targets, loss_fn) if replayed else None
+            solo = solo_events(solo_pipe, inputs, targets, loss_fn)
         finally:
-            pipe.close()
+            solo_pipe.close()
     predicted = predicted_activation_bytes(config, model, inputs, balance)
     crossed, how = _boundary_traffic(config, trace, model, inputs, balance)
     return RunRecord(
@@ -256,23 +304,38 @@ def run(config: RunConfig, on_event: Optional[Callable] = None, replay: Union[bo
         memory=[dict(asdict(m), predicted_activation_bytes=p) for m, p in zip(trace.memory, predicted)],
         makespan=trace.makespan, bubble=trace.bubble, samples_per_second=trace.samples_per_second,
         loss=loss, wall=wall, host=host.describe(), solo_events=solo, notes=_notes(config, inputs),
-        messages=[asdict(m) for m in trace.messages], boundary_bytes=crossed, boundary_how=how)
+        messages=[asdict(m) for m in trace.messages], boundary_bytes=crossed, boundary_how=how,
+        rounds=[{"step": t.makespan, "baseline": b, "bubble": t.bubble,
+                 "communication_share": communication_share(t.messages, config.stages, t.makespan)}
+                for t, _, _, b in measured])
 
 
-def _steps_in_processes(config: RunConfig, balance: list[int], inputs, targets, loss_fn, warmup: int,
-                        on_event: Optional[Callable], on_wait: Optional[Callable]) -> tuple[Trace, float, float]:
-    """Warm-up and measured steps on the shared stage processes: (trace, loss, seconds of the step
-    as the first stage's process timed it)."""
-    recipe = dict(name=config.model, blocks=config.blocks, width=config.width, seed=config.seed)
-    with processes.pool_for(config.stages, config.threads_per_stage, on_wait) as pool:
-        pool.build("lab.models:build", recipe, balance=balance, **pipe_options(config))
-        for step in range(warmup):
-            pool.step(inputs, targets, loss_fn)
-            if step == 0 and on_event is not None:
-                for event in pool.trace.events:
-                    on_event(event)
-        loss = pool.step(inputs, targets, loss_fn).item()
-        return pool.trace, loss, pool.seconds
+@contextmanager
+def _stepper(config: RunConfig, model: nn.Sequential, balance: list[int], data: tuple,
+             on_wait: Optional[Callable]) -> Iterator[Callable]:
+    """A function that runs one training step of the configuration, `step(on_event)` -> (trace,
+    loss, seconds), on a pipe of this process or on the shared stage processes (held meanwhile)."""
+    inputs, targets, loss_fn = data
+    if config.transport == "processes":
+        recipe = dict(name=config.model, blocks=config.blocks, width=config.width, seed=config.seed)
+        with processes.pool_for(config.stages, config.threads_per_stage, on_wait) as pool:
+            pool.build("lab.models:build", recipe, balance=balance, **pipe_options(config))
+
+            def step_in_processes(on_event):
+                loss = pool.step(inputs, targets, loss_fn, on_event=on_event).item()
+                return pool.trace, loss, pool.seconds
+            yield step_in_processes
+        return
+    pipe = pipeline(config, model, balance)
+
+    def step_in_threads(on_event):
+        start = time.perf_counter()
+        loss = pipe.step(inputs, targets, loss_fn, on_event=on_event).item()
+        return pipe.trace, loss, time.perf_counter() - start
+    try:
+        yield step_in_threads
+    finally:
+        pipe.close()
 
 
 def _boundary_traffic(config: RunConfig, trace: Trace, model: nn.Sequential, inputs, balance: list[int]):
@@ -297,7 +360,7 @@ def _boundary_traffic(config: RunConfig, trace: Trace, model: nn.Sequential, inp
 def _notes(config: RunConfig, inputs) -> list[str]:
     """What a learner should know about how this configuration ran here."""
     notes = []
-    effective = len(tensors_of(inputs)[0].chunk(config.micro_batches))
+    effective = micro_batch_count(config)
     if effective != config.micro_batches:
         notes.append(f"torch.chunk cuts N={config.batch} into {effective} micro-batches, not M={config.micro_batches} "
                      f"(pieces of {-(-config.batch // config.micro_batches)}): the pipeline ran M={effective}.")

@@ -2,7 +2,8 @@
 processes (notebooks and every session of the app).
 
 Starting K processes costs seconds, so the pool stays up between runs and is made again only
-when K (or the threads per stage) changes, or after it failed. One run uses it at a time: a run
+when K (or the threads per stage) changes, or after it failed; the app starts it ahead of its
+first run (`start_ahead`). A K=1 baseline needs no pool: one stage is this process, one thread. One run uses it at a time: a run
 that finds it busy waits its turn (and says so through `on_wait`). It is shut down when the
 interpreter exits, and its processes die with this one in any case.
 """
@@ -18,6 +19,7 @@ from engine.distributed.pool import ProcessPool, StageProcessError
 _turn = threading.Lock()
 _pool: Optional[ProcessPool] = None
 _shape: tuple[int, int] = (0, 0)
+_holder = ""  # who holds the turn: "a run", or "start-up" (a pool started ahead of its first run)
 
 
 def busy() -> bool:
@@ -31,24 +33,49 @@ def pool_for(stages: int, threads_per_stage: int = 1, on_wait: Optional[Callable
     """Hold the shared pool, with `stages` processes, for one run. If another run holds it, call
     `on_wait()` once and wait. A stage process that died, during this run or since the last, is
     raised as StageProcessError; the next run starts new processes."""
-    global _pool, _shape
+    global _holder
     if not _turn.acquire(blocking=False):
-        if on_wait is not None:
+        if on_wait is not None and _holder == "a run":
             on_wait()
         _turn.acquire()
+    _holder = "a run"
     try:
         if _pool is not None:
             _pool.check_alive()  # a stage process that died since the last run is reported, once
-        if _pool is None or not _pool.alive or _shape != (stages, threads_per_stage):
-            shutdown_pool()
-            _pool = ProcessPool(stages, threads_per_stage=threads_per_stage)
-            _shape = (stages, threads_per_stage)
-        yield _pool
+        yield _pool_of(stages, threads_per_stage)
     except StageProcessError:
         shutdown_pool()
         raise
     finally:
         _turn.release()
+
+
+def start_ahead(stages: int, threads_per_stage: int = 1) -> None:
+    """Start the shared pool with `stages` processes now, on a thread of its own, unless it is up
+    or being used: a page's first run then finds its stage processes starting or started (and
+    waits for them without being told that another session holds them)."""
+    def start() -> None:
+        global _holder
+        if not _turn.acquire(blocking=False):
+            return
+        _holder = "start-up"
+        try:
+            _pool_of(stages, threads_per_stage)
+        except StageProcessError:
+            shutdown_pool()  # the run that needs it will start new ones, and say why if it fails again
+        finally:
+            _turn.release()
+    threading.Thread(target=start, name="gpipe-pool-start", daemon=True).start()
+
+
+def _pool_of(stages: int, threads_per_stage: int) -> ProcessPool:
+    """The shared pool with that shape, made anew if it has another shape or is gone (turn held)."""
+    global _pool, _shape
+    if _pool is None or not _pool.alive or _shape != (stages, threads_per_stage):
+        shutdown_pool()
+        _pool = ProcessPool(stages, threads_per_stage=threads_per_stage)
+        _shape = (stages, threads_per_stage)
+    return _pool
 
 
 def current() -> Optional[ProcessPool]:

@@ -341,7 +341,7 @@ def run_command(name: str, args, rows_of: Callable, out: Path) -> list[dict]:
                          "# Table 3 (P100 GPUs without NVLink, M=32, normalized to K=2):",
                          markdown([{"model": model, **{f"K={k}": v for k, v in table.items()}}
                                    for model, table in theory.PAPER_TABLE3.items()]),
-                         f"# cells above the bound K*M/(M+K-1): {theory.PAPER_EXCEEDS_BOUND}"]))
+                         f"# cells above K*M/(M+K-1): {theory.why_cells_exceed()}"]))
     print("\n".join(lines))
     print(table)
     if interrupted:

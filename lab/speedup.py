@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Callable, Iterable, Iterator, Optional
 
 from . import replay
-from .experiments import RunConfig, RunRecord, parallel_devices, run
+from .experiments import MEASURE_WARMUP, RunConfig, RunRecord, parallel_devices, run
 
 # The recompute setting of every speedup table: each micro-batch re-materialized, as in the paper.
 # One setting for the whole table; "except_last" would recompute nothing at M=1 and 31 of 32
@@ -107,25 +107,17 @@ def bubble_points(base: RunConfig, micro: Iterable[int] = (1, 2, 4, 8, 16, 32)) 
 
 
 def transports(config: RunConfig, rounds: int, progress: Optional[Callable[[str], None]] = None) -> list[dict]:
-    """Threads against processes at one configuration, measured side by side: each round runs K=1,
-    then the K stages as threads, then as processes; a speedup is the median of the per-round
-    ratios to that round's K=1 step (the host is noisy; rounds share its noise)."""
-    steps: dict[str, list[RunRecord]] = {"K=1": [], "threads": [], "processes": []}
-    for round_ in range(rounds):
-        for name, run_config in (("K=1", config.but(stages=1, transport="threads")),
-                                 ("threads", config.but(transport="threads")),
-                                 ("processes", config.but(transport="processes"))):
-            if progress is not None:
-                progress(f"round {round_ + 1}/{rounds}: {name}")
-            steps[name].append(run(run_config))
+    """Threads against processes at one configuration, measured as the app measures: for each, warm-up
+    steps, then `rounds` steps, each followed by a K=1 step in this process (the two share the
+    host's noise); a speedup is the median of the per-round ratios, shown with its range."""
     rows = []
     for name in ("threads", "processes"):
-        ratios = sorted(one.makespan / many.makespan for one, many in zip(steps["K=1"], steps[name]))
-        times = sorted(r.makespan * 1e3 for r in steps[name])
+        if progress is not None:
+            progress(f"{rounds} round(s), stages as {name}")
+        record = run(config.but(transport=name), rounds=rounds, baseline=True, warmup=MEASURE_WARMUP)
+        step, speed = record.spread("step"), record.spread("speedup")
         rows.append({"stages run as": name, "K": config.stages, "M": config.micro_batches,
-                     "step ms": round(statistics.median(times), 1),
-                     "step ms range": f"{times[0]:.1f} to {times[-1]:.1f}",
-                     "speedup over K=1": round(statistics.median(ratios), 2),
-                     "speedup range": f"{ratios[0]:.2f} to {ratios[-1]:.2f}",
-                     "communication share": round(statistics.median(r.communication_share for r in steps[name]), 3)})
+                     "step ms": round(step[0] * 1e3, 1), "step ms range": f"{step[1] * 1e3:.1f} to {step[2] * 1e3:.1f}",
+                     "speedup over K=1": round(speed[0], 2), "speedup range": f"{speed[1]:.2f} to {speed[2]:.2f}",
+                     "communication share": round(record.spread("communication_share")[0], 3)})
     return rows

@@ -11,7 +11,8 @@ function they are asked to run by name ("package.module:function") and nothing e
     children.close()                                    # or let the parent exit: none stays behind
 
 In the child, `function(*args)` makes a server: a callable that answers each command the parent
-sends (with an optional `close()`, called when the parent says stop). An exception raised there
+sends (with an optional `close()`, called when the parent says stop, and an optional `tell`
+attribute, which becomes a function that sends the parent notes while a command runs). An exception raised there
 arrives in the parent with its own type and message (the child's traceback attached as a note);
 a child that dies, or stays silent past the timeout, raises ChildFailed. Children end with their
 parent: each watches for it to be gone and stops when its connection closes.
@@ -118,10 +119,12 @@ class Children:
         """{index: exit code} of the children that have ended."""
         return {i: p.returncode for i, p in enumerate(self._processes) if p.poll() is not None}
 
-    def ask(self, commands: Sequence, timeout: Optional[float] = None) -> list:
-        """Send child i `commands[i]` and return every answer, in order. A failure in a child is
-        raised with its own type (a failing stage's own error before the others' StageFailed echoes
-        of it); a child that dies or stays silent past the timeout stops them all: ChildFailed."""
+    def ask(self, commands: Sequence, timeout: Optional[float] = None,
+            on_note: Optional[Callable[[int, object], None]] = None) -> list:
+        """Send child i `commands[i]` and return every answer, in order. What a child tells while it
+        works (`tell` in the child) goes to `on_note(i, note)`, on this thread. A failure in a child
+        is raised with its own type (a failing stage's own error before the others' StageFailed
+        echoes of it); a child that dies or stays silent past the timeout stops them all: ChildFailed."""
         if not self.open:
             raise ChildFailed(f"the {self.name} processes were stopped (after close(), or after one died); "
                               f"start new ones")
@@ -130,18 +133,41 @@ class Children:
                 send(connection, command)
             except OSError:
                 self._fail(index)
+        try:
+            answers, interrupted = self._collect(len(commands), timeout or self.timeout, on_note)
+        except KeyboardInterrupt:  # the answers still due are unknown now: stop the children, hand out nothing stale
+            self.close()
+            raise
+        if interrupted is not None:
+            raise interrupted
+        errors = [answers[i][1] for i in sorted(answers) if answers[i][0] == "error"]
+        if errors:
+            raise min(errors, key=lambda error: isinstance(error, StageFailed))  # the first that is no echo
+        return [answers[i][1] for i in range(len(commands))]
+
+    def _collect(self, count: int, timeout: float, on_note) -> tuple[dict, Optional[BaseException]]:
+        """The answers of the first `count` children, and what `on_note` raised, if it did (the
+        answers are still collected then, so that none is left for the next call to read)."""
         answers: dict[int, tuple] = {}
-        deadline = time.monotonic() + (timeout or self.timeout)
-        while len(answers) < len(commands):
+        interrupted: Optional[BaseException] = None
+        deadline = time.monotonic() + timeout
+        while len(answers) < count:
             if any(answer[0] == "error" for answer in answers.values()):
                 deadline = min(deadline, time.monotonic() + ECHO_SECONDS)  # the others should follow soon
-            waiting = {c: i for i, c in enumerate(self._connections[:len(commands)]) if i not in answers}
+            waiting = {c: i for i, c in enumerate(self._connections[:count]) if i not in answers}
             for connection in wait(list(waiting), timeout=0.1):
                 try:
-                    answers[waiting[connection]] = receive(connection)
+                    message = receive(connection)
                 except (EOFError, OSError):
                     self._fail(waiting[connection])
-            gone = [i for i in self.dead() if i not in answers and i < len(commands)]
+                if message[0] != "note":
+                    answers[waiting[connection]] = message
+                elif on_note is not None and interrupted is None:
+                    try:
+                        on_note(waiting[connection], message[1])
+                    except BaseException as error:
+                        interrupted = error
+            gone = [i for i in self.dead() if i not in answers and i < count]
             if gone:
                 self._fail(gone[0])
             if time.monotonic() > deadline:
@@ -149,12 +175,9 @@ class Children:
                 errors = [answer[1] for answer in answers.values() if answer[0] == "error"]
                 if errors:  # one failed and the others are stuck (say, waiting for it to connect)
                     raise errors[0]
-                raise ChildFailed(f"the {self.name} processes did not answer within {timeout or self.timeout:.0f} s; "
-                                  f"they were stopped")
-        errors = [answers[i][1] for i in sorted(answers) if answers[i][0] == "error"]
-        if errors:
-            raise min(errors, key=lambda error: isinstance(error, StageFailed))  # the first that is no echo
-        return [answers[i][1] for i in range(len(commands))]
+                raise ChildFailed(f"the {self.name} processes did not answer within {timeout:.0f} s; they were "
+                                  f"stopped")
+        return answers, interrupted
 
     def kill(self, index: int) -> None:
         """Kill one child at once (SIGKILL), as a crash would: for tests and lessons."""
@@ -206,7 +229,10 @@ def portable(error: BaseException) -> BaseException:
 
 
 def serve(connection: Connection, server: Callable) -> None:
-    """Answer the parent's commands with `server(command)` until it says stop or is gone."""
+    """Answer the parent's commands with `server(command)` until it says stop or is gone. A server
+    with a `tell` attribute gets a function that sends the parent a note while it works."""
+    if hasattr(server, "tell"):
+        server.tell = lambda note: send(connection, ("note", note))
     try:
         while True:
             try:

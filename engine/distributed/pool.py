@@ -20,6 +20,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+from dataclasses import replace
 from datetime import timedelta
 from typing import Callable, Optional, Union
 
@@ -85,15 +86,17 @@ class ProcessPool:
         self._ask([("build", spec)] * self.stages)
         self.built = True
 
-    def step(self, inputs, targets, loss_fn: Callable):
+    def step(self, inputs, targets, loss_fn: Callable, on_event: Optional[Callable] = None):
         """One training step of the pipe (gradients zeroed first; with an optimizer, also its step);
         returns the mini-batch loss. Then `self.trace` is the step's trace and `self.seconds` the
-        step's time as rank 0 measured it."""
+        step's time as rank 0 measured it. `on_event`, if given, is called here, live, with each
+        task's event as its stage process finishes it (times from the first stage's start)."""
         self._require_built()
         name_of(loss_fn)
-        commands = [("step", (inputs if rank == 0 else None, targets if rank == self.stages - 1 else None, loss_fn))
-                    for rank in range(self.stages)]
-        answers = self._ask(commands)
+        live = on_event is not None
+        commands = [("step", (inputs if rank == 0 else None, targets if rank == self.stages - 1 else None, loss_fn,
+                              live)) for rank in range(self.stages)]
+        answers = self._ask(commands, on_note=_live_events(on_event) if live else None)
         self.trace = answers[0][1]
         self.losses = [answer[0] for answer in answers]  # as each rank returned it: all equal
         self.seconds = answers[0][2]  # the step as rank 0 timed it, without this process's hand-over
@@ -150,16 +153,28 @@ class ProcessPool:
         if not self.built:
             raise RuntimeError("the pool has no pipe yet: call pool.build(recipe, ...) first")
 
-    def _ask(self, commands: list, timeout: Optional[float] = None) -> list:
+    def _ask(self, commands: list, timeout: Optional[float] = None, on_note=None) -> list:
         if not self._children.open:
             raise StageProcessError("the process pool is closed (after close(), or after a stage process died); "
                                     "make a new ProcessPool")
         try:
-            return self._children.ask(commands, timeout)
+            return self._children.ask(commands, timeout, on_note)
         except StageProcessError:
             raise
         except ChildFailed as failure:
             raise StageProcessError(f"{failure}: make a new ProcessPool") from None
+
+
+def _live_events(on_event: Callable):
+    """An `on_note` that hands the stage processes' live events to `on_event`, each moved from its
+    stage's time origin to the earliest origin seen (one host: the processes share one clock)."""
+    origins: list[float] = []
+
+    def on_note(rank: int, note) -> None:
+        origin, event = note
+        origins.append(origin)
+        on_event(replace(event, start=event.start + origin - min(origins), end=event.end + origin - min(origins)))
+    return on_note
 
 
 # --- inside a stage process -------------------------------------------------------------------
@@ -179,6 +194,7 @@ class StageServer:
         store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=START_SECONDS))
         dist.init_process_group("gloo", store=dist.PrefixStore("pool/", store), rank=rank, world_size=size)
         self.pipe, self.optimizer = None, None
+        self.tell = None  # set by children.serve: sends the parent a note while a command runs
 
     def __call__(self, command):
         what, args = command
@@ -204,13 +220,14 @@ class StageServer:
                     "process groups": len(dist.distributed_c10d._world.pg_map)}
         raise ValueError(f"unknown command {what!r}")
 
-    def _step(self, inputs, targets, loss_fn):
+    def _step(self, inputs, targets, loss_fn, live: bool):
         if self.optimizer is not None:
             self.optimizer.zero_grad()
         else:
             self.pipe.zero_grad()
+        on_event = (lambda event: self.tell((self.pipe.call_origin, event))) if live else None
         start = time.perf_counter()
-        loss = self.pipe.step(inputs, targets, loss_fn)
+        loss = self.pipe.step(inputs, targets, loss_fn, on_event=on_event)
         seconds = time.perf_counter() - start
         if self.optimizer is not None:
             self.optimizer.step()

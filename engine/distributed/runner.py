@@ -50,6 +50,7 @@ class RankRunner:
             upstream=(rank - 1) % stages if rank > 0 or wraps else None,
             downstream=(rank + 1) % stages if rank < stages - 1 or wraps else None)
         self.calls = 0
+        self.origin = 0.0  # the current call's time origin, a perf_counter reading on rank 0's clock
         self.prefix = f"rank {rank}, "
 
     @contextmanager
@@ -78,6 +79,7 @@ class RankRunner:
         the last stage's rank for a forward, None elsewhere) and the trace of every stage on rank 0."""
         rank = self.ranks.rank
         t0 = time.perf_counter()  # after the decision arrived: waiting for it is not part of the call
+        self.origin = t0 - self.transport.clock_offset
         self.local.start(call, t0)
         marks = run_tasks(self.local, [(rank, task) for task in call.schedule[rank]], self.transport,
                           live(self.local, on_event), prefix=self.prefix)
