@@ -136,7 +136,7 @@ SMALL = dict(width=256, layers=8, batch=64, chunks=8)  # the model a learner's l
 
 
 def run(width: int, layers: int, batch: int, rounds: int, checkpoint: str, pool: ProcessPool,
-        small: dict = SMALL) -> list[tuple[str, str, str]]:
+        small: dict = SMALL, gloo_pool: ProcessPool = None) -> list[tuple[str, str, str]]:
     """Measure every configuration and return the table rows (what, measured, target)."""
     cores = cpu_cores()
     torch.manual_seed(1)
@@ -158,7 +158,7 @@ def run(width: int, layers: int, batch: int, rounds: int, checkpoint: str, pool:
         "dropout seed=0": engine_step(dropout_model, 2, 32, 1, checkpoint=checkpoint, seed=0),
     })
     times = measure(steps, x, y, rounds)
-    small_times, small_traces = measure_small(pool, small, rounds)
+    small_times, small_traces = measure_small({"shared memory": pool, "gloo": gloo_pool}, small, rounds)
     times.update(small_times)
     rate = {name: batch / statistics.median(t) for name, t in times.items() if not name.startswith("small")}
     one_core = "K=1 M=32 1 thread(s)"
@@ -167,20 +167,27 @@ def run(width: int, layers: int, batch: int, rounds: int, checkpoint: str, pool:
     return [
         ("K=1, M=32, one thread (one core)", f"{rate[one_core]:.0f} samples/s", ""),
         ("K=2, M=32, one thread per stage", f"{rate['K=2 M=32']:.0f} samples/s", ""),
-        ("K=2, M=32, one process per stage", f"{rate['K=2 M=32 processes']:.0f} samples/s", ""),
+        ("K=2, M=32, one process per stage (shared memory)", f"{rate['K=2 M=32 processes']:.0f} samples/s", ""),
         ("**speedup K=2 over K=1 at M=32**", f"**{ratio(times, 'K=2 M=32', one_core)}**",
          ">= 1.8x (paper: 1.8x on 2 TPUs; ideal 2*32/33 = 1.94x)"),
         ("**speedup K=2 processes over K=1 at M=32**", f"**{ratio(times, 'K=2 M=32 processes', one_core)}**",
          ">= 1.8x"),
-        (f"**small model ({shape}): K=2 processes over K=1**",
-         f"**{ratio(times, 'small K=2 processes', 'small K=1')}**", ">= 1.4x"),
+        (f"**small model ({shape}): K=2 processes over K=1, shared memory**",
+         f"**{ratio(times, 'small K=2 processes, shared memory', 'small K=1')}**", ">= 1.4x"),
+        ("small model: K=2 processes over K=1, gloo", ratio(times, 'small K=2 processes, gloo', 'small K=1'),
+         "the lane between hosts, here on loopback"),
         ("small model: K=2 threads over K=1", ratio(times, 'small K=2 threads', 'small K=1'),
          "the interpreter lock: threads of one process barely overlap"),
-        ("small model: step at K=1, K=2 threads, K=2 processes",
+        ("small model: step at K=1, K=2 threads, K=2 processes (shared memory, gloo)",
          ", ".join(f"{statistics.median(times[name]) * 1e3:.1f} ms"
-                   for name in ("small K=1", "small K=2 threads", "small K=2 processes")), "medians"),
-        ("small model, processes: stage-thread time per message", per_message(small_traces),
-         "medians over the steps' traces; 2 messages per micro-batch and cut"),
+                   for name in ("small K=1", "small K=2 threads", "small K=2 processes, shared memory",
+                                "small K=2 processes, gloo")), "medians"),
+        ("small model, shared memory: stage-thread time per message", per_message(small_traces["shared memory"]),
+         "goal: under 30 us each side; medians over the steps' traces"),
+        ("small model, gloo: stage-thread time per message", per_message(small_traces["gloo"]),
+         "2 messages per micro-batch and cut"),
+        ("ping-pong between two stage processes, one way: 1 float, 8 x 256 floats", ping_pong(pool, gloo_pool),
+         "through the pipe's transport; mean of 2000 round trips"),
         ("ceiling: both halves on 2 threads, no pipeline", ratio(times, 'ceiling', one_core),
          "what 2 cores of this host give with no data dependencies"),
         ("ceiling: the step's bare matrix products on 2 threads vs 1",
@@ -197,23 +204,38 @@ def run(width: int, layers: int, batch: int, rounds: int, checkpoint: str, pool:
     ]
 
 
-def measure_small(pool: ProcessPool, small: dict, rounds: int) -> dict[str, list[float]]:
-    """The small model, where the interpreter lock decides: K=1, K=2 as threads, K=2 as processes."""
+def measure_small(pools: dict[str, ProcessPool], small: dict, rounds: int):
+    """The small model, where the interpreter lock and the cost of a message decide: K=1, K=2 as
+    threads, K=2 as processes over each lane; and the processes' traces, by lane."""
     width, layers, batch, chunks = small["width"], small["layers"], small["batch"], small["chunks"]
     x, y = torch.randn(batch, width), torch.randn(batch, width)
     model = uniform_mlp(width, layers)
-    in_processes = process_step(pool, width, layers, chunks, checkpoint="never", threads_per_stage=1)
-    traces = []
+    traces: dict[str, list] = {lane: [] for lane in pools}
 
-    def traced(x, y):
-        seconds = in_processes(x, y)
-        traces.append(pool.trace)
-        return seconds
+    def traced(lane: str):
+        pool = pools[lane]
+        in_processes = process_step(pool, width, layers, chunks, checkpoint="never", threads_per_stage=1)
+
+        def step(x, y):
+            seconds = in_processes(x, y)
+            traces[lane].append(pool.trace)
+            return seconds
+        return step
     steps = {"small K=1": engine_step(model, 1, chunks, 1, checkpoint="never"),
-             "small K=2 threads": engine_step(model, 2, chunks, 1, checkpoint="never"),
-             "small K=2 processes": traced}
+             "small K=2 threads": engine_step(model, 2, chunks, 1, checkpoint="never")}
+    steps.update({f"small K=2 processes, {lane}": traced(lane) for lane in pools})
     times = measure(steps, x, y, rounds * 3)  # short steps: more rounds for the same confidence
     return times, traces
+
+
+def ping_pong(*pools: ProcessPool) -> str:
+    """One-way time of a message between the two stage processes of each pool, small and larger."""
+    return "; ".join(f"{pool_lane(pool)}: " + ", ".join(f"{pool.ping(2000, numel) * 1e6:.0f} us" for numel in (1, 8 * 256))
+                     for pool in pools)
+
+
+def pool_lane(pool: ProcessPool) -> str:
+    return "gloo" if pool.lane == "gloo" else "shared memory"
 
 
 def per_message(traces: list) -> str:
@@ -251,8 +273,9 @@ def main(argv=None) -> None:
           f"checkpoint={args.checkpoint}, {rounds} round(s), median samples/s")
     print(f"# host: {platform.processor() or platform.machine()}, {cpu_cores()} cores; torch {torch.__version__}; "
           f"malloc {'keeps freed memory (all rows)' if tuned else 'glibc defaults'}")
-    with ProcessPool(2, threads_per_stage=1, keep_freed_memory=tuned) as pool:
-        print(format_table(run(width, layers, batch, rounds, args.checkpoint, pool, small)))
+    with ProcessPool(2, threads_per_stage=1, keep_freed_memory=tuned) as pool, \
+            ProcessPool(2, threads_per_stage=1, keep_freed_memory=tuned, lane="gloo") as gloo_pool:
+        print(format_table(run(width, layers, batch, rounds, args.checkpoint, pool, small, gloo_pool)))
 
 
 if __name__ == "__main__":

@@ -67,7 +67,8 @@ class StageMemory:
 @dataclass
 class Trace:
     """The record of the last `step()` or forward call of a GPipe. With stages as processes
-    (`group=`), `messages` holds what crossed between them, and `transport` says "processes"."""
+    (`group=`), `messages` holds what crossed between them, `transport` says "processes" and
+    `lane` how: "shared memory" (one host) or "gloo"."""
 
     stages: int = 0
     micro_batches: int = 0
@@ -79,6 +80,7 @@ class Trace:
     wall: float = 0.0  # seconds the whole call took, as the caller saw it
     messages: list[Message] = field(default_factory=list)
     transport: str = "threads"
+    lane: str = ""
 
     @property
     def makespan(self) -> float:

@@ -24,13 +24,14 @@ LOSS = nn.functional.cross_entropy
 
 @pytest.fixture(scope="module")
 def pools():
-    """One long-lived pool per K, shared by the tests of this module (starting one costs seconds)."""
+    """One long-lived pool per K (and lane), shared by the tests of this module (starting one costs
+    seconds). On one host the stages talk through shared memory unless the gloo lane is asked for."""
     made = {}
 
-    def get(stages):
-        if stages not in made or not made[stages].alive:
-            made[stages] = ProcessPool(stages)
-        return made[stages]
+    def get(stages, lane="auto"):
+        if (stages, lane) not in made or not made[(stages, lane)].alive:
+            made[(stages, lane)] = ProcessPool(stages, lane=lane)
+        return made[(stages, lane)]
     yield get
     for pool in made.values():
         pool.close()
@@ -51,9 +52,9 @@ def threads_run(model, batch, steps, **options):
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("stages", [2, 3])
-def test_three_optimizer_steps_bitwise_equal_to_threads(pools, batch, stages):
-    pool = pools(stages)
+@pytest.mark.parametrize("stages,lane", [(2, "auto"), (3, "auto"), (2, "gloo")])
+def test_three_optimizer_steps_bitwise_equal_to_threads(pools, batch, stages, lane):
+    pool = pools(stages, lane)
     for schedule, virtual in (("gpipe", 1), ("1f1b", 1), ("zb-h1", 1), ("interleaved", 2)):
         for checkpoint in ("never", "always"):
             options = dict(balance=stages, chunks=2 * stages, seed=7, schedule=schedule, checkpoint=checkpoint,
@@ -62,6 +63,7 @@ def test_three_optimizer_steps_bitwise_equal_to_threads(pools, batch, stages):
                        **options)
             losses = [pool.step(*batch, LOSS) for _ in range(3)]
             assert all(torch.equal(loss, pool.losses[0]) for loss in pool.losses), "every rank returns the loss"
+            assert pool.trace.lane == ("gloo" if lane == "gloo" else "shared memory")
             model, expected = threads_run(mlp(dropout=0.3, batch_norm=True), batch, 3, **options)
             where = f"K={stages}, {schedule}, checkpoint={checkpoint}"
             assert [l.item() for l in losses] == [l.item() for l in expected], where
@@ -161,8 +163,13 @@ def test_faults_under_torchrun_are_raised_on_every_rank_promptly(tmp_path):
                for r in size.values())
 
 
+def shm_files():
+    return sorted(os.listdir("/dev/shm"))
+
+
 @pytest.mark.timeout(120)
 def test_a_rank_killed_on_another_node_is_raised_by_the_survivor_within_15_seconds(tmp_path):
+    before = shm_files()
     two_nodes([FAULTS, "kill"], "kill-test", timeout=90, env={"GPIPE_FAULTS_OUT": str(tmp_path)},
               done=lambda: any(r.get("raised") for r in read_reports(tmp_path)))
     reports = read_reports(tmp_path)
@@ -171,11 +178,18 @@ def test_a_rank_killed_on_another_node_is_raised_by_the_survivor_within_15_secon
     assert survivor["rank"] == 0 and survivor["raised"] == "StageFailed"
     assert "[rank 1, stage 1] unreachable" in survivor["message"]
     assert survivor["at"] - killed_at < 15
+    # both "nodes" are this host: the survivor waited on a shared-memory slot when its writer died
+    assert [r["lane"] for r in reports if "lane" in r] == ["shared memory"]
+    deadline = time.monotonic() + 10
+    while shm_files() != before and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert shm_files() == before, "nothing of the pipe stays in /dev/shm"
 
 
 @pytest.mark.timeout(120)
 def test_a_killed_stage_process_is_reported_and_the_pool_leaves_nothing(batch):
     x, y = batch
+    before = shm_files()
     pool = ProcessPool(2)
     pids = pool.pids
     pool.build("conftest:mlp", {}, chunks=4)
@@ -186,6 +200,7 @@ def test_a_killed_stage_process_is_reported_and_the_pool_leaves_nothing(batch):
         pool.step(x, y, LOSS)
     assert time.monotonic() - start < 15
     assert not pool.alive and not set(pids) & set(children(os.getpid()))
+    assert shm_files() == before, "nothing of the pool stays in /dev/shm"
     with pytest.raises(StageProcessError, match="make a new ProcessPool"):
         pool.step(x, y, LOSS)
 
@@ -280,3 +295,22 @@ def test_the_thread_engine_never_imports_the_process_path():
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=ROOT)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip() == "[]"
+
+
+@pytest.mark.timeout(120)
+def test_larger_values_and_more_messages_than_slots_travel_through_shared_memory(pools, batch):
+    pool = pools(2)
+    pool.built_with = None
+    x, y = batch
+    reference = mlp()
+    for chunks, size in ((4, 8), (4, 24), (4, 5), (16, 24)):  # a larger payload, then 12 messages a kind in a call
+        if chunks != pool.built_with:
+            pool.build("conftest:mlp", {}, chunks=chunks)
+            pool.built_with = chunks
+        loss = pool.step(x[:size], y[:size], LOSS)
+        assert pool.trace.lane == "shared memory"
+        assert loss.item() == pytest.approx(LOSS(reference(x[:size]), y[:size]).item(), rel=1e-6), (chunks, size)
+        grads = pool.gradients()
+        reference.zero_grad()
+        LOSS(reference(x[:size]), y[:size]).backward()
+        assert all(torch.allclose(g, p.grad, rtol=1e-5, atol=1e-7) for g, p in zip(grads, reference.parameters()))

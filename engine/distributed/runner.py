@@ -92,6 +92,13 @@ class RankRunner:
             return loss.to(self.local.devices[rank].device), trace
         return result, trace
 
+    def side_call(self) -> ProcessTransport:
+        """The transport, in a call of its own for traffic outside the pipe's steps (the benchmark's
+        ping-pong), so that those messages cannot mix with a step's."""
+        self.transport.begin(self.calls)
+        self.calls += 1
+        return self.transport
+
     def close(self) -> None:
         """End the transport's threads and groups (every rank calls it)."""
         self.transport.close()
@@ -132,4 +139,5 @@ class RankRunner:
         return Trace(stages=self.ranks.size, micro_batches=call.micro_batches, batch_size=call.decision.batch,
                      checkpoint=call.checkpoint, kind=call.kind, events=events,
                      memory=sorted(memory, key=lambda m: m.stage), wall=wall,
-                     messages=sorted(messages, key=lambda m: m.start), transport="processes")
+                     messages=sorted(messages, key=lambda m: m.start), transport="processes",
+                     lane=self.transport.lane.name)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import struct
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import NamedTuple, Optional, Sequence
 
 import numpy as np
 import torch
@@ -34,6 +34,14 @@ _MASK64 = (1 << 64) - 1
 
 
 NO_DECISION = Decision(0, 0)
+
+
+class Lost(Exception):
+    """A lane's connection to `peer` broke (its process has probably died)."""
+
+    def __init__(self, peer: int, error: BaseException):
+        super().__init__(peer, error)
+        self.peer, self.error = peer, error
 
 
 @dataclass(frozen=True)
@@ -65,6 +73,18 @@ class Header:
     @property
     def payload_bytes(self) -> int:
         return sum(e.nbytes for e in self.entries if e is not None)
+
+
+class Arrival(NamedTuple):
+    """One message as a lane handed it to the stage thread: who sent it, its header, its tensors
+    (on this stage's device), a CUDA event to wait on or None, and the stage thread's reading time."""
+
+    peer: int
+    header: Header
+    tensors: list
+    ready: object
+    start: float
+    end: float
 
 
 def _signed(value: int) -> int:
@@ -119,8 +139,7 @@ def encode(step: int, kind: str, micro: int, chunk: int, decision: Decision, val
             present.append(t)
     words[0] = len(words)
     header_bytes = _padded(8 * len(words))
-    sizes = [t.numel() * t.element_size() for t in present]
-    inline_bytes = header_bytes + sum(_padded(size) for size in sizes)
+    inline_bytes = header_bytes + payload_bytes(present)
     inline = inline and inline_bytes <= FRAME_BYTES
     words[9] = int(inline)
     frame = torch.empty(inline_bytes if inline else header_bytes, dtype=torch.uint8)
@@ -128,11 +147,21 @@ def encode(step: int, kind: str, micro: int, chunk: int, decision: Decision, val
     struct.pack_into(f"<{len(words)}q", view, 0, *words)
     if not inline:
         return frame, [t.detach().contiguous() for t in present]
-    offset = header_bytes
-    for t, size in zip(present, sizes):
+    write_tensors(view, header_bytes, present)
+    return frame, []
+
+
+def payload_bytes(tensors: Sequence[torch.Tensor]) -> int:
+    """Bytes the tensors take laid out one after another, each padded to 16 bytes."""
+    return sum(_padded(t.numel() * t.element_size()) for t in tensors)
+
+
+def write_tensors(view: np.ndarray, offset: int, tensors: Sequence[torch.Tensor]) -> None:
+    """Copy CPU tensors into `view` from `offset` on, one after another, each padded to 16 bytes."""
+    for t in tensors:
+        size = t.numel() * t.element_size()
         view[offset:offset + size] = _bytes_of(t)
         offset += _padded(size)
-    return frame, []
 
 
 def decode_header(view: np.ndarray) -> Header:
@@ -154,9 +183,10 @@ def decode_header(view: np.ndarray) -> Header:
                   entries=tuple(entries), inline=bool(words[9]), size=_padded(8 * length))
 
 
-def inline_tensors(view: np.ndarray, header: Header) -> list[Optional[torch.Tensor]]:
-    """The tensors carried inside a frame, copied out of it (the frame buffer is posted again)."""
-    offset, tensors = header.size, []
+def tensors_in(view: np.ndarray, offset: int, header: Header) -> list[Optional[torch.Tensor]]:
+    """The tensors that `header` announces, laid out in `view` from `offset` on (by write_tensors),
+    copied out of it (the buffer is reused for the next message)."""
+    tensors = []
     for entry in header.entries:
         if entry is None:
             tensors.append(None)
