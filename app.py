@@ -5,19 +5,20 @@ page; the work is done by lab/ (which drives engine/).
 """
 from __future__ import annotations
 
+import sys
 import time
+from typing import Optional
 
 import streamlit as st
 
-from lab import charts, processes, replay, schedules, speedup, theory
-from lab.experiments import (APP_DEFAULT, BALANCES, MEASURE_ROUNDS, MEASURE_WARMUP, RunConfig, RunRecord, check,
-                             micro_batch_count, run)
-from lab.models import ZOO
-from lab.processes import StageProcessError
+from lab import charts, replay, theory  # these and lab.config load without torch: see open_page
+from lab.config import (APP_DEFAULT, BALANCES, MEASURE_ROUNDS, MEASURE_WARMUP, MODEL_CARDS, SCHEDULE_ORDER,
+                        RunConfig, check, micro_batch_count)
 
 RECOMPUTE = {"on, except the last micro-batch": "except_last", "on, every micro-batch": "always", "off": "never"}
 TRANSPORTS = {"processes": "one process per stage (torch.distributed, gloo)", "threads": "threads in this process"}
 LIVE_REDRAW_SECONDS = 0.25
+BROWSER_HEAD_START_SECONDS = 2.5
 # Width choices per model, capped so that any slider setting runs in seconds on 2 CPU cores.
 # The defaults (the last choices) make ops big enough that two stage threads overlap well.
 WIDTHS = {"mlp": [128, 256, 512, 1024], "transformer": [32, 64, 128], "cnn": [8, 16, 32]}
@@ -66,9 +67,9 @@ def bubble_points(config: RunConfig) -> list:
 def controls() -> RunConfig:
     side = st.sidebar
     side.header("Pipeline")
-    model = side.selectbox("model", list(ZOO), index=list(ZOO).index(APP_DEFAULT.model), key="model",
-                           format_func=lambda m: f"{m}: {ZOO[m].description}")
-    blocks = side.slider(f"blocks (the model has blocks + {ZOO[model].extra_layers} layers)", 1, MAX_BLOCKS[model],
+    model = side.selectbox("model", list(MODEL_CARDS), index=list(MODEL_CARDS).index(APP_DEFAULT.model), key="model",
+                           format_func=lambda m: f"{m}: {MODEL_CARDS[m].description}")
+    blocks = side.slider(f"blocks (the model has blocks + {MODEL_CARDS[model].extra_layers} layers)", 1, MAX_BLOCKS[model],
                          APP_DEFAULT.blocks, key=f"blocks-{model}")
     widths = WIDTHS[model]
     width = side.select_slider("width", widths, value=widths[-1] if model != "mlp" else 512, key=f"width-{model}")
@@ -76,7 +77,7 @@ def controls() -> RunConfig:
     stages = side.slider("stages K", 1, 8, APP_DEFAULT.stages, key="stages")
     micro = side.slider("micro-batches M", 1, 64, APP_DEFAULT.micro_batches, key="micro")
     recompute = RECOMPUTE[side.radio("re-materialization (recompute)", list(RECOMPUTE), key="recompute")]
-    schedule = side.selectbox("schedule", schedules.SCHEDULE_ORDER, key="schedule",
+    schedule = side.selectbox("schedule", SCHEDULE_ORDER, key="schedule",
                               format_func={"gpipe": "GPipe (fill, drain)", "1f1b": "1F1B",
                                            "interleaved": "interleaved 1F1B", "zb-h1": "zero bubble (ZB-H1)"}.get)
     virtual = side.slider("chunks per stage v", 2, 4, 2, key="virtual") if schedule == "interleaved" else 1
@@ -93,19 +94,24 @@ def controls() -> RunConfig:
                      virtual_stages=virtual)
 
 
-def live_run(config: RunConfig) -> RunRecord:
-    """Run the configuration, unless this session has run it already (then the cache answers at
-    once): the theory diagram at once, then the warm-up step's Gantt chart as its tasks finish;
-    the chart that stays is the median of the measured steps, run with nothing drawn meanwhile.
-    Drawing happens outside the cached function, which must not call Streamlit elements; the
-    finished record is handed to the cache."""
-    seen = st.session_state.setdefault("seen", set())
-    if config not in seen:
-        placeholder = st.empty()
-        sketch = replay.theory(config.stages, micro_batch_count(config), config.checkpoint, schedule=config.schedule,
-                               virtual=config.virtual_stages)
-        placeholder.plotly_chart(charts.gantt(sketch, title=f"{sketch.label}: measuring this host now..."),
-                                 key="live-theory")
+@st.cache_resource
+def measured_settings() -> set[RunConfig]:
+    """The settings some session of this server has measured live: measured_run's cache holds
+    their records, so another session (a second tab, a reload) shows them at once."""
+    return set()
+
+
+def measured(config: RunConfig) -> bool:
+    return config in measured_settings()
+
+
+def live_run(config: RunConfig, chart) -> RunRecord:
+    """Run the configuration, unless a session of this server has run it already (then the cache
+    answers at once): in `chart`, which shows the theory diagram (open_page), the warm-up step's
+    Gantt chart grows as its tasks finish; the chart that stays is the median of the measured
+    steps, run with nothing drawn meanwhile. Drawing happens outside the cached function, which must not call
+    Streamlit elements; the finished record is handed to the cache."""
+    if not measured(config):
         events, last = [], [0.0]
 
         def on_event(event) -> None:
@@ -113,21 +119,21 @@ def live_run(config: RunConfig) -> RunRecord:
             if time.perf_counter() - last[0] > LIVE_REDRAW_SECONDS:
                 last[0] = time.perf_counter()
                 line = replay.measured([vars_of(e) for e in events], config.stages, "warm-up step, live")
-                placeholder.plotly_chart(charts.gantt(line), key=f"live-{len(events)}")
+                chart.plotly_chart(charts.gantt(line), key=f"live-{len(events)}")
 
         waiting: list[float] = []
 
         def on_wait() -> None:
             waiting.append(time.perf_counter())
-            placeholder.info("Waiting: another session is running on the shared stage processes; this run "
-                             "starts as soon as that one is done.")
+            chart.info("Waiting: another session is running on the shared stage processes; this run "
+                       "starts as soon as that one is done.")
 
         _handed_over[config] = run(config, on_event=on_event, replay=True, on_wait=on_wait, rounds=MEASURE_ROUNDS,
                                    baseline=True, warmup=MEASURE_WARMUP)
-        placeholder.empty()
+        chart.empty()
         if waiting:
             st.session_state.setdefault("waited", {})[config] = time.perf_counter() - waiting[0]
-        seen.add(config)
+        measured_settings().add(config)
     return measured_run(config)
 
 
@@ -256,19 +262,19 @@ def show_speedup(config: RunConfig) -> None:
         "Training throughput on TPUs from the paper (Huang et al., Table 2). There is no one-device column: each "
         "model's cells are divided by its own K = 2, M = 1 cell. With one micro-batch, more devices barely help; "
         "with 32, the Transformer, whose layers are alike, scales almost with K, while AmoebaNet's uneven layers "
-        "hold it back. Why a few cells come out above the ideal speedup: " + theory.why_cells_exceed() + ".")
-    st.dataframe(charts.paper_table(), width="stretch")
+        "hold it back. About the cells above the ideal speedup: " + theory.why_cells_exceed() + ".")
+    st.dataframe(tables.paper_table(), width="stretch")
     st.caption("Table 3 of the paper, P100 GPUs without NVLink (M = 32, normalized to K = 2): activations cross "
                "through host memory over PCIe, yet scaling stays close to the TPUs', since only each cut's "
                "activations cross.")
-    st.dataframe(charts.paper_table3(), width="stretch")
+    st.dataframe(tables.paper_table3(), width="stretch")
     if st.button("measure this table on this host (K = 1, 2, 4, 8; M = 1, 4, 32)", key="measure_speedup"):
         cells = speedup_cells(config)
         st.caption("This host on the paper's normalization (vs its own K = 2, M = 1) and, separately, over one "
                    f"device; every micro-batch recomputed (checkpoint '{speedup.TABLE_CHECKPOINT}'), as in the "
                    "paper. Cells with a core (or GPU) per stage are measured; the others are ideal replays of task "
                    "times measured one at a time, and say so.")
-        st.dataframe(charts.speedup_table(c for c in cells if c.stages > 1), width="stretch", hide_index=True)
+        st.dataframe(tables.speedup_table(c for c in cells if c.stages > 1), width="stretch", hide_index=True)
 
 
 def show_schedules(config: RunConfig) -> None:
@@ -326,7 +332,10 @@ def show_downloads(record: RunRecord) -> None:
     right.download_button("events as CSV", record.events_csv(), file_name="gpipe-events.csv", mime="text/csv")
 
 
-def main() -> None:
+def open_page() -> tuple[Optional[RunConfig], object]:
+    """The title, the controls and, for a setting this server has not measured yet, the theory
+    diagram in the chart's place. None of it needs torch, which takes seconds to load on a cold
+    server: a learner sees all this at once. Returns the setting (None if it cannot run) and the chart."""
     st.title("GPipe lab")
     st.markdown(
         "Cut a model into **K** stages, one per device, split each mini-batch into **M** micro-batches and stream "
@@ -337,11 +346,23 @@ def main() -> None:
         check(config)
     except ValueError as error:
         st.error(f"This combination cannot run: {error}")
+        return None, None
+    chart = st.empty()
+    if not measured(config):
+        sketch = replay.theory(config.stages, micro_batch_count(config), config.checkpoint, schedule=config.schedule,
+                               virtual=config.virtual_stages)
+        chart.plotly_chart(charts.gantt(sketch, title=f"{sketch.label}: measuring this host now..."),
+                           key="live-theory")
+    return config, chart
+
+
+def main(config: Optional[RunConfig], chart) -> None:
+    if config is None:
         return
-    if config.transport == "processes":  # start them while the page draws the theory diagram
+    if config.transport == "processes":  # start them while the warm-up runs
         processes.start_ahead(config.stages, config.threads_per_stage)
     try:
-        record = live_run(config)
+        record = live_run(config, chart)
         show_pipeline(record, config)
         show_numbers(record, config)
         show_memory(record, config)
@@ -356,4 +377,15 @@ def main() -> None:
         st.error(f"The run failed: {error}. Try a smaller model, batch or K.")
 
 
-main()
+opening = open_page()
+if "torch" not in sys.modules:
+    # This server's first page: torch is about to load here and in the stage processes, seconds of
+    # CPU and of this process's interpreter lock. Give the browser a head start to fetch and draw
+    # the theory diagram first (on 2 cores the diagram then shows after ~6 s instead of ~8 s).
+    time.sleep(BROWSER_HEAD_START_SECONDS)
+# Only now the engine and torch load (seconds, the first time this server runs the page).
+from lab import processes, schedules, speedup, tables  # noqa: E402
+from lab.experiments import RunRecord, run  # noqa: E402
+from lab.processes import StageProcessError  # noqa: E402
+
+main(*opening)

@@ -5,20 +5,19 @@
     GPipe(model, balance, ..., group=dist.group.WORLD)  # one process per stage (under torchrun)
     ProcessPool(stages)                              # K local stage processes driven from here
 
-The thread engine never imports the process path (engine/distributed): `ProcessPool` and
-`StageProcessError` are loaded from there the first time they are asked for.
+Every name here loads the first time it is asked for: `engine.schedule` and `engine.trace` need no
+torch (the lab draws its theory diagrams from them while torch is still loading), and the thread
+engine never imports the process path (engine/distributed).
 """
-from .balance import balance_by_size, balance_by_time
-from .pipe import GPipe
-from .trace import Event, Message, StageMemory, Trace
-from .transport import StageFailed
+from importlib import import_module
 
-__all__ = ["GPipe", "balance_by_time", "balance_by_size", "ProcessPool", "StageProcessError", "StageFailed",
-           "Trace", "Event", "Message", "StageMemory"]
+_HOMES = {"GPipe": "pipe", "balance_by_time": "balance", "balance_by_size": "balance", "StageFailed": "transport",
+          "Trace": "trace", "Event": "trace", "Message": "trace", "StageMemory": "trace",
+          "ProcessPool": "distributed.pool", "StageProcessError": "distributed.pool"}
+__all__ = list(_HOMES)
 
 
 def __getattr__(name: str):
-    if name in ("ProcessPool", "StageProcessError"):
-        from .distributed import pool
-        return getattr(pool, name)
-    raise AttributeError(f"module 'engine' has no attribute {name!r}")
+    if name not in _HOMES:
+        raise AttributeError(f"module 'engine' has no attribute {name!r}")
+    return getattr(import_module(f".{_HOMES[name]}", __name__), name)

@@ -13,7 +13,7 @@ Every model counts its "layers" as entries of the nn.Sequential, the units a pip
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from functools import lru_cache
 from pathlib import Path
 from typing import Callable
@@ -22,22 +22,18 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .config import MODEL_CARDS, ModelCard, card
+
 CORPUS = Path(__file__).parent / "data" / "corpus.txt"
 
 
 @dataclass(frozen=True)
-class ZooModel:
-    """How to build one zoo model and its task."""
+class ZooModel(ModelCard):
+    """How to build one zoo model and its task (its card, lab.config, says what it is)."""
 
-    name: str
-    description: str
     build: Callable[[int, int, int], nn.Sequential]    # (blocks, width, seed) -> model
     batch: Callable[[int, int, int], tuple]            # (size, width, seed) -> (inputs, targets)
     loss_fn: Callable
-    extra_layers: int                                  # Sequential entries besides the blocks
-
-    def layer_count(self, blocks: int) -> int:
-        return blocks + self.extra_layers
 
 
 # --- uniform MLP ------------------------------------------------------------------------------
@@ -177,13 +173,14 @@ def shapes_batch(size: int, width: int = 0, seed: int = 0) -> tuple[torch.Tensor
     return images, labels
 
 
+def _zoo_model(name: str, build, batch, loss_fn) -> ZooModel:
+    return ZooModel(**asdict(MODEL_CARDS[name]), build=build, batch=batch, loss_fn=loss_fn)
+
+
 ZOO: dict[str, ZooModel] = {
-    "mlp": ZooModel("mlp", "uniform stack of Linear+ReLU blocks learning a random teacher",
-                    build_mlp, mlp_batch, F.mse_loss, extra_layers=0),
-    "transformer": ZooModel("transformer", "character-level Transformer language model on a short story",
-                            build_transformer, text_batch, next_token_loss, extra_layers=2),
-    "cnn": ZooModel("cnn", "uneven convolutional network with batch norm classifying bars and blobs",
-                    build_cnn, shapes_batch, F.cross_entropy, extra_layers=2),
+    "mlp": _zoo_model("mlp", build_mlp, mlp_batch, F.mse_loss),
+    "transformer": _zoo_model("transformer", build_transformer, text_batch, next_token_loss),
+    "cnn": _zoo_model("cnn", build_cnn, shapes_batch, F.cross_entropy),
 }
 
 
@@ -195,6 +192,4 @@ def build(name: str, blocks: int, width: int, seed: int = 0) -> nn.Sequential:
 
 def get(name: str) -> ZooModel:
     """The zoo entry called `name`, or a ValueError listing the choices."""
-    if name not in ZOO:
-        raise ValueError(f"unknown model {name!r}; expected one of {sorted(ZOO)}")
-    return ZOO[name]
+    return ZOO[card(name).name]

@@ -58,6 +58,9 @@ def start_ahead(stages: int, threads_per_stage: int = 1) -> None:
         global _holder
         if not _turn.acquire(blocking=False):
             return
+        if _pool is not None and not _pool.alive:  # a stage process died: the next run reports it, then rebuilds
+            _turn.release()
+            return
         _holder = "start-up"
         try:
             _pool_of(stages, threads_per_stage)

@@ -6,10 +6,9 @@ from dataclasses import dataclass
 from typing import Callable, Iterator, Optional, Union
 
 from . import replay, theory
+from .config import SCHEDULE_ORDER
 from .experiments import RunConfig, RunRecord, check, parallel_devices, run
 
-# Each schedule with its chunks per stage; interleaved uses v = 2 unless told otherwise.
-SCHEDULE_ORDER = ("gpipe", "1f1b", "interleaved", "zb-h1")
 
 
 @dataclass(frozen=True)

@@ -11,10 +11,14 @@ APP = str(Path(__file__).resolve().parent.parent / "app.py")
 
 @pytest.fixture
 def app():
+    """The page in a new session of a server with nothing cached (measured records and the set of
+    measured settings are server-wide: each test starts as a fresh server would)."""
     st.cache_data.clear()
+    st.cache_resource.clear()
     at = AppTest.from_file(APP, default_timeout=120)
     yield at
     st.cache_data.clear()
+    st.cache_resource.clear()
 
 
 def small(at, **values):
@@ -52,7 +56,7 @@ def test_defaults_run_and_draw_the_measured_gantt(app):
     app.run()
     assert not app.exception and not app.error
     spec, bars = gantt(app)
-    stages, micro = 2, 8  # the defaults
+    stages, micro = 2, 16  # the defaults
     assert {y for op in ("forward", "recompute", "backward") for y in bars[op]["y"]} == \
         {f"stage {k}" for k in range(stages)}
     assert len(bars["sending"]["x"]) == len(bars["receiving"]["x"]) == stages * micro  # processes by default
@@ -214,6 +218,17 @@ def test_a_session_that_finds_the_stage_processes_busy_waits_and_says_so(app):
     other.join()
     assert not app.exception and not app.error
     assert any("waited its turn" in c.value and "another session" in c.value for c in app.caption)
+
+
+def test_a_second_session_on_measured_settings_is_answered_from_the_cache(app):
+    app.run()
+    small(app, stages=2, micro=4)
+    measured, _ = gantt(app)
+    second = AppTest.from_file(APP, default_timeout=120)  # another tab of the same server
+    second.run()
+    small(second, stages=2, micro=4)
+    assert not second.exception and not second.error
+    assert gantt(second)[0]["layout"]["title"] == measured["layout"]["title"]  # the same step, not a new one
 
 
 @pytest.mark.parametrize("schedule,ops", [("interleaved", {"forward", "backward"}),

@@ -6,6 +6,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -25,10 +26,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
+@contextmanager
+def streamlit_server(log_path: Path):
+    """A freshly started `streamlit run app.py` on a free loopback port: yields its URL; on exit it
+    is stopped, and no stage process it made may outlive it."""
     port = free_port()
-    log_path = tmp_path_factory.mktemp("server") / "server.log"
     log = open(log_path, "w")
     process = subprocess.Popen(
         [sys.executable, "-m", "streamlit", "run", str(ROOT / "app.py"), "--server.headless", "true",
@@ -45,8 +47,8 @@ def server(tmp_path_factory):
                 pass
             assert process.poll() is None, "streamlit exited during start-up"
             assert time.monotonic() < deadline, "streamlit did not become healthy within 90 s"
-            time.sleep(0.5)
-        yield url, log_path
+            time.sleep(0.2)
+        yield url
     finally:
         stage_processes = children(process.pid)  # the app's shared stage processes, if it made them
         process.terminate()
@@ -59,6 +61,26 @@ def server(tmp_path_factory):
         while [p for p in stage_processes if alive(p)] and time.monotonic() < deadline:
             time.sleep(0.2)
         assert not [p for p in stage_processes if alive(p)], "stage processes outlived the server"
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    log_path = tmp_path_factory.mktemp("server") / "server.log"
+    with streamlit_server(log_path) as url:
+        yield url, log_path
+
+
+@contextmanager
+def chromium():
+    playwright = pytest.importorskip("playwright.sync_api")
+    assert Path(CHROMIUM).exists(), "Debian chromium is missing: apt-get install -y chromium"
+    with playwright.sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM,
+                                    args=["--no-sandbox", "--disable-gpu", "--disable-background-networking"])
+        try:
+            yield browser
+        finally:
+            browser.close()
 
 
 def problems_in(log_path: Path) -> list[str]:
@@ -75,64 +97,134 @@ def alive(pid: int) -> bool:
         return False
 
 
+GANTT_TITLE = f"() => {GANTT}.layout.title.text"
+FIRST_CHART = f"() => {{ const p = {GANTT}; return p && p.data && p.data.length > 0; }}"
+SPEEDUP = "() => [...document.querySelectorAll('[data-testid=stMetric]')].map(m => m.innerText)" \
+          ".find(t => t.startsWith('speedup over K=1'))"
+CUT_OFF = ("() => [...document.querySelectorAll('[data-testid=stMain] *')].filter(e => "
+           "getComputedStyle(e).textOverflow === 'ellipsis' && e.scrollWidth > e.clientWidth + 1).map(e => e.innerText)")
+
+
+def wait_until_idle(page) -> None:
+    page.locator("[data-testid='stStatusWidget']").wait_for(state="detached", timeout=240_000)
+
+
+def first_chart_seconds(browser, url: str, width: int):
+    """Open the page in a new browser context (nothing cached): the page and the seconds until its
+    first chart shows."""
+    page = browser.new_context(viewport={"width": width, "height": 1000}).new_page()
+    opened = time.monotonic()
+    page.goto(url)
+    page.wait_for_function(FIRST_CHART, timeout=60_000)
+    return page, time.monotonic() - opened
+
+
+@pytest.mark.timeout(420)
+def test_a_fresh_server_draws_a_chart_at_once_and_a_speedup_of_about_1_5(tmp_path):
+    """Three fresh server starts, as a learner meets the lab. The first chart (the theory diagram,
+    then the warm-up step live) shows within 3 s of what this host's browser alone needs to draw
+    the page, measured right after in a second tab that the server answers from its cache: a cold
+    server (torch loading, stage processes starting) must not hold the page back, as it did by
+    9-10 s when every chart waited for them. The speedup shown on the defaults (a median over
+    rounds, each a K=2 step beside a K=1 step) has a median of at least 1.4x over the three starts
+    and is never below 1.2x (per-round ratios on a busy 2-core host range about 1.2-1.75x). The
+    metrics are readable at 1400 px and on a 1280 px laptop; the terminal stays clean. Seconds and
+    speedups are printed (pytest -s): they are what the README reports."""
+    colds, warms, speedups = [], [], []
+    for start, width in enumerate((1400, 1400, 1280)):
+        log_path = tmp_path / f"server-{start}.log"
+        with streamlit_server(log_path) as url, chromium() as browser:
+            page, cold = first_chart_seconds(browser, url, width)
+            page.wait_for_function(FINAL_GANTT_READY, timeout=120_000)
+            wait_until_idle(page)
+            speedup = page.wait_for_function(SPEEDUP, timeout=30_000).json_value()  # "speedup over K=1\n\n1.61x\n..."
+            speedups.append(float([line for line in speedup.split("\n") if line.strip()][1].rstrip("x")))
+            assert not page.evaluate(CUT_OFF), f"cut off at {width} px: {page.evaluate(CUT_OFF)}"
+            assert page.locator("[data-testid='stAppDeployButton']").count() == 0, "a local lab: no deploy button"
+            assert page.locator("[data-testid='stException']").count() == 0
+            measured_title = page.evaluate(GANTT_TITLE)
+            page.close()
+            warm_page, warm = first_chart_seconds(browser, url, width)
+            warm_page.wait_for_function(FINAL_GANTT_READY, timeout=60_000)
+            assert warm_page.evaluate(GANTT_TITLE) == measured_title, "a second tab shows the same step, from the cache"
+            warm_page.close()
+            colds.append(cold)
+            warms.append(warm)
+        assert not problems_in(log_path), "\n".join(problems_in(log_path)[:20])
+    print(f"first chart after {[round(t, 1) for t in colds]} s on a fresh server, "
+          f"{[round(t, 1) for t in warms]} s on a warm one; speedups {speedups}")
+    for cold, warm in zip(colds, warms):
+        assert cold < warm + 3, f"the first chart took {cold:.1f} s; from a warm server {warm:.1f} s"
+    assert sorted(speedups)[1] >= 1.4 and min(speedups) >= 1.2, f"speedup over K=1 on first load: {speedups}"
+
+
+@pytest.mark.timeout(600)
+def test_every_section_button_leaves_a_clean_terminal(server):
+    server, log_path = server
+    with chromium() as browser:
+        page = browser.new_page(viewport={"width": 1400, "height": 1000})
+        page.goto(server)
+        page.wait_for_function(FINAL_GANTT_READY, timeout=120_000)
+        wait_until_idle(page)
+        for label in ("measure with threads too", "measure the curve at M = 1, 2, 4, ... 32",
+                      "compare the four schedules at these settings", "pin this run", "clear pins",
+                      "measure this table on this host (K = 1, 2, 4, 8; M = 1, 4, 32)"):
+            page.get_by_role("button", name=label).click()
+            wait_until_idle(page)
+            assert page.locator("[data-testid='stException']").count() == 0, label
+        for label in ("trace as Chrome-trace JSON (opens in ui.perfetto.dev)", "events as CSV"):
+            with page.expect_download() as download:
+                page.get_by_role("button", name=label).click()
+            assert download.value.suggested_filename.startswith("gpipe-")
+        assert not page.evaluate(CUT_OFF), page.evaluate(CUT_OFF)
+    assert not problems_in(log_path), "\n".join(problems_in(log_path)[:20])
+
+
 @pytest.mark.timeout(240)
 def test_app_renders_and_the_m_slider_redraws_the_gantt(server, tmp_path):
     server, log_path = server
-    playwright = pytest.importorskip("playwright.sync_api")
-    assert Path(CHROMIUM).exists(), "Debian chromium is missing: apt-get install -y chromium"
-    with playwright.sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=CHROMIUM,
-                                    args=["--no-sandbox", "--disable-gpu", "--disable-background-networking"])
-        try:
-            page = browser.new_page(viewport={"width": 1500, "height": 1100})
-            page.goto(server)
-            page.wait_for_function(FINAL_GANTT_READY, timeout=120_000)
-            counts = page.evaluate(f"() => Object.fromEntries({GANTT}.data.map(t => [t.name, t.x.length]))")
-            assert {op: counts[op] for op in ("forward", "recompute", "backward")} == \
-                {"forward": 16, "recompute": 14, "backward": 16}  # defaults: K=2, M=8
-            assert counts.get("sending") == counts.get("receiving") == 16  # by default stages are processes
-            assert not problems_in(log_path), "the page load left this in the server's terminal:\n" + \
-                "\n".join(problems_in(log_path)[:20])
-            page.screenshot(path=str(tmp_path / "app.png"))
+    with chromium() as browser:
+        page = browser.new_page(viewport={"width": 1500, "height": 1100})
+        page.goto(server)
+        page.wait_for_function(FINAL_GANTT_READY, timeout=120_000)
+        counts = page.evaluate(f"() => Object.fromEntries({GANTT}.data.map(t => [t.name, t.x.length]))")
+        assert {op: counts[op] for op in ("forward", "recompute", "backward")} == \
+            {"forward": 32, "recompute": 30, "backward": 32}  # defaults: K=2, M=16
+        assert counts.get("sending") == counts.get("receiving") == 32  # by default stages are processes
+        assert not problems_in(log_path), "the page load left this in the server's terminal:\n" + \
+            "\n".join(problems_in(log_path)[:20])
+        page.screenshot(path=str(tmp_path / "app.png"))
 
-            slider = page.locator("[data-testid='stSlider'] input[type='range'][aria-label='micro-batches M']")
-            assert slider.input_value() == "8"
-            slider.focus()
-            for _ in range(3):  # M = 11: torch.chunk cuts N=32 into 11 pieces (8 and 9 would too; 10 would not)
-                page.keyboard.press("ArrowRight")
-            page.wait_for_function(
-                f"() => {{ const p = {GANTT}; return p && p.layout.title.text.includes('measured (') && "
-                "p.data[0].x.length === 22; }", timeout=120_000)  # K=2 stages x M=11 forwards
-            assert slider.input_value() == "11"
-            page.locator("[data-testid='stStatusWidget']").wait_for(state="detached", timeout=120_000)
-            assert page.locator("[data-testid='stException']").count() == 0
-            page.screenshot(path=str(tmp_path / "app-m11.png"))
-            if os.environ.get("GPIPE_LAB_SCREENSHOT"):  # how docs/app.png was made
-                shutil.copy(tmp_path / "app-m11.png", os.environ["GPIPE_LAB_SCREENSHOT"])
-        finally:
-            browser.close()
+        slider = page.locator("[data-testid='stSlider'] input[type='range'][aria-label='micro-batches M']")
+        assert slider.input_value() == "16"
+        slider.focus()
+        for _ in range(5):  # M = 11: torch.chunk cuts N=32 into 11 pieces (12 would too; 10 would not)
+            page.keyboard.press("ArrowLeft")
+        page.wait_for_function(
+            f"() => {{ const p = {GANTT}; return p && p.layout.title.text.includes('measured (') && "
+            "p.data[0].x.length === 22; }", timeout=120_000)  # K=2 stages x M=11 forwards
+        assert slider.input_value() == "11"
+        wait_until_idle(page)
+        assert page.locator("[data-testid='stException']").count() == 0
+        page.screenshot(path=str(tmp_path / "app-m11.png"))
+        if os.environ.get("GPIPE_LAB_SCREENSHOT"):  # how docs/app.png was made
+            shutil.copy(tmp_path / "app-m11.png", os.environ["GPIPE_LAB_SCREENSHOT"])
 
 
 @pytest.mark.timeout(300)
 def test_three_sessions_at_once_share_the_stage_processes_without_errors(server):
     server, log_path = server
-    playwright = pytest.importorskip("playwright.sync_api")
-    with playwright.sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=CHROMIUM,
-                                    args=["--no-sandbox", "--disable-gpu", "--disable-background-networking"])
-        try:
-            pages = [browser.new_context(viewport={"width": 1300, "height": 900}).new_page() for _ in range(3)]
-            for page in pages:  # all three at once: do not wait for one page to load before the next
-                page.goto(server, wait_until="commit")
-            deadline = time.monotonic() + 240
-            while time.monotonic() < deadline and not all(page.evaluate(FINAL_GANTT_READY) for page in pages):
-                time.sleep(0.2)
-            for page in pages:
-                assert page.evaluate(FINAL_GANTT_READY), "every session draws its measured Gantt"
-                title = page.evaluate(f"() => {GANTT}.layout.title.text")
-                assert "measured (processes)" in title, title
-                assert page.locator("[data-testid='stException']").count() == 0
-                assert page.locator("[data-testid='stAlertContentError']").count() == 0
-            assert not problems_in(log_path), "\n".join(problems_in(log_path)[:20])
-        finally:
-            browser.close()
+    with chromium() as browser:
+        pages = [browser.new_context(viewport={"width": 1300, "height": 900}).new_page() for _ in range(3)]
+        for page in pages:  # all three at once: do not wait for one page to load before the next
+            page.goto(server, wait_until="commit")
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline and not all(page.evaluate(FINAL_GANTT_READY) for page in pages):
+            time.sleep(0.2)
+        for page in pages:
+            assert page.evaluate(FINAL_GANTT_READY), "every session draws its measured Gantt"
+            title = page.evaluate(f"() => {GANTT}.layout.title.text")
+            assert "measured (processes)" in title, title
+            assert page.locator("[data-testid='stException']").count() == 0
+            assert page.locator("[data-testid='stAlertContentError']").count() == 0
+        assert not problems_in(log_path), "\n".join(problems_in(log_path)[:20])

@@ -1,8 +1,10 @@
 """lab/: theory against hand values, replays against theory, chart builders, experiments, models."""
+from pathlib import Path
+
 import pytest
 import torch
 
-from lab import charts, experiments, models, replay, speedup, theory
+from lab import charts, experiments, models, replay, speedup, tables, theory
 from lab.experiments import RunConfig
 
 
@@ -64,15 +66,15 @@ def test_other_charts():
                                        predicted_recompute=1.1e6)] * 2)
     assert [t.name for t in memory.data][:2] == ["measured, no recompute", "measured, recompute"]
     from lab.speedup import Cell
-    table = charts.speedup_table([Cell(8, 32, 100.0, 5.9, 4.1, "ideal replay", 0.2, "threads", 4.4),
+    table = tables.speedup_table([Cell(8, 32, 100.0, 5.9, 4.1, "ideal replay", 0.2, "threads", 4.4),
                                   Cell(2, 32, 50.0, 1.7, 1.6, "measured", 0.05, "processes", 1.3)])
     assert list(table["K"]) == [2, 8] and list(table["how"]) == ["measured (processes)", "ideal replay"]
     assert table.loc[1, "paper Transformer-48 (vs its K=2, M=1)"] == 6.3
     assert table.loc[1, "paper AmoebaNet-D (18, 256) (vs its K=2, M=1)"] == 3.48
     assert table.loc[1, "this host vs K=2, M=1"] == 4.4 and table.loc[1, "this host vs one device (K=1, M=1)"] == 5.9
-    assert charts.paper_table().loc["M=4", "Transformer-48 K=8"] == 4.8
-    assert charts.paper_table().loc["M=32", "AmoebaNet-D K=8"] == 3.48
-    assert charts.paper_table3().loc["Transformer-24", "K=8"] == 3.3
+    assert tables.paper_table().loc["M=4", "Transformer-48 K=8"] == 4.8
+    assert tables.paper_table().loc["M=32", "AmoebaNet-D K=8"] == 3.48
+    assert tables.paper_table3().loc["Transformer-24", "K=8"] == 3.3
 
 
 @pytest.mark.parametrize("changes,words", [
@@ -233,3 +235,16 @@ def test_gantt_of_processes_has_a_message_row_per_stage_and_the_boundary_chart()
 def test_bad_transport_is_explained():
     with pytest.raises(ValueError, match="transport='pigeons': expected one of"):
         experiments.check(RunConfig(transport="pigeons"))
+
+
+def test_what_the_app_draws_first_loads_without_torch():
+    """The app's title, controls and theory diagram come from these modules, so that a learner sees
+    them while torch loads (seconds on a cold server)."""
+    import subprocess
+    import sys
+    code = ("import sys, lab.config, lab.charts, lab.replay, lab.theory, engine.schedule, engine.trace; "
+            "print(sorted(m for m in ('torch', 'pandas', 'numpy') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         cwd=Path(__file__).resolve().parent.parent)
+    assert out.returncode == 0, out.stderr
+    assert "torch" not in out.stdout and "pandas" not in out.stdout, out.stdout

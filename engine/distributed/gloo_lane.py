@@ -21,7 +21,6 @@ import queue
 import struct
 import threading
 import time
-from typing import Optional
 
 import torch
 import torch.distributed as dist

@@ -1,0 +1,130 @@
+"""What a run of the lab is, without torch: its settings (RunConfig) and their checks, the model
+zoo's catalog, and the app's defaults.
+
+Nothing here imports torch, which takes seconds to load on a cold start: the app draws its
+controls and the theory diagram from this module (and lab.replay, lab.charts) while it loads.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from engine.schedule import CHECKPOINT_MODES, SCHEDULES, check_layout
+
+
+@dataclass(frozen=True)
+class ModelCard:
+    """A zoo model as a learner chooses it: its name, what it is, and how many layers of the
+    nn.Sequential are not blocks (lab.models builds it)."""
+
+    name: str
+    description: str
+    extra_layers: int                                  # Sequential entries besides the blocks
+
+    def layer_count(self, blocks: int) -> int:
+        return blocks + self.extra_layers
+
+
+MODEL_CARDS = {card.name: card for card in (
+    ModelCard("mlp", "uniform stack of Linear+ReLU blocks learning a random teacher", extra_layers=0),
+    ModelCard("transformer", "character-level Transformer language model on a short story", extra_layers=2),
+    ModelCard("cnn", "uneven convolutional network with batch norm classifying bars and blobs", extra_layers=2),
+)}
+
+
+def card(name: str) -> ModelCard:
+    """The zoo model called `name`, or a ValueError listing the choices."""
+    if name not in MODEL_CARDS:
+        raise ValueError(f"unknown model {name!r}; expected one of {sorted(MODEL_CARDS)}")
+    return MODEL_CARDS[name]
+
+
+BALANCES = ("uniform", "time", "size")
+TRANSPORTS = ("threads", "processes")
+SCHEDULE_ORDER = tuple(SCHEDULES)  # GPipe, then the orders that came after it
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """One point of the lab: which model, how big, and how it is pipelined."""
+
+    model: str = "transformer"
+    blocks: int = 6              # blocks of the zoo model; the pipeline sees blocks + extra layers
+    width: int = 64
+    batch: int = 32              # N, the mini-batch
+    stages: int = 4              # K
+    micro_batches: int = 8       # M
+    checkpoint: str = "except_last"
+    schedule: str = "gpipe"      # or "1f1b", "interleaved", "zb-h1": the orders that came after GPipe
+    virtual_stages: int = 1      # chunks of layers per stage (v): more than 1 only with "interleaved"
+    balance: str = "uniform"     # uniform (by layer count), time or size
+    seed: int = 0
+    device: str = "cpu"          # "cpu": every stage on the CPU; "cuda": stages spread over the GPUs
+    threads_per_stage: int = 1   # on CPU: one core per stage, as the paper has one chip per stage
+    transport: str = "threads"   # stages as threads of this process, or "processes" (one each, gloo)
+
+    @property
+    def layers(self) -> int:
+        return card(self.model).layer_count(self.blocks)
+
+    def but(self, **changes) -> "RunConfig":
+        """A copy with some fields changed."""
+        return replace(self, **changes)
+
+
+# What the app opens with. Its stages run as processes: measured at these settings on 2 cores, one
+# process per stage beats threads of one interpreter (python -m lab.reproduce transports; README).
+APP_DEFAULT = RunConfig(model="transformer", blocks=6, width=128, batch=32, stages=2, micro_batches=16,
+                        checkpoint="except_last", transport="processes")
+# How the app (and `python -m lab.reproduce transports`) measures a setting: warm-up steps, then
+# rounds of one step beside one K=1 step, every figure the median over the rounds with its range.
+MEASURE_WARMUP, MEASURE_ROUNDS = 4, 7
+
+
+def micro_batch_count(config: RunConfig) -> int:
+    """How many micro-batches the pipeline runs: what torch.chunk makes of N in M pieces (it can
+    be fewer than M)."""
+    return len(range(config.batch)[::-(-config.batch // config.micro_batches)])
+
+
+def baseline_of(config: RunConfig) -> RunConfig:
+    """K=1 at the same M: one stage, in this process, on one thread (one stage needs no transport,
+    nor a schedule, so every setting compares with the same run)."""
+    return config.but(stages=1, balance="uniform", transport="threads", schedule="gpipe", virtual_stages=1)
+
+
+def check(config: RunConfig) -> None:
+    """Raise ValueError with a message a learner can act on if the configuration cannot run."""
+    card(config.model)
+    if config.blocks < 1 or config.width < 1 or config.batch < 1:
+        raise ValueError("blocks, width and batch must all be at least 1")
+    if config.threads_per_stage < 1:
+        raise ValueError(f"threads_per_stage={config.threads_per_stage}: expected at least 1")
+    if config.stages < 1:
+        raise ValueError(f"K={config.stages}: a pipeline needs at least one stage")
+    if config.stages > config.layers:
+        raise ValueError(f"K={config.stages} stages but the {config.model} has only {config.layers} layers "
+                         f"({config.blocks} blocks + {config.layers - config.blocks}): use K <= {config.layers} "
+                         f"or more blocks")
+    if config.micro_batches < 1:
+        raise ValueError(f"M={config.micro_batches}: a mini-batch is cut into at least one micro-batch")
+    if config.checkpoint not in CHECKPOINT_MODES:
+        raise ValueError(f"checkpoint={config.checkpoint!r}: expected one of {CHECKPOINT_MODES}")
+    if config.schedule not in SCHEDULES:
+        raise ValueError(f"schedule={config.schedule!r}: expected one of {tuple(SCHEDULES)}")
+    check_layout(config.schedule, config.stages, config.micro_batches, config.virtual_stages, config.layers)
+    if config.balance not in BALANCES:
+        raise ValueError(f"balance={config.balance!r}: expected one of {BALANCES}")
+    if config.device not in ("cpu", "cuda"):
+        raise ValueError(f"device={config.device!r}: expected 'cpu' or 'cuda'")
+    if config.transport not in TRANSPORTS:
+        raise ValueError(f"transport={config.transport!r}: expected one of {TRANSPORTS}")
+    if config.transport == "processes" and config.device != "cpu":
+        raise ValueError("transport='processes' runs the lab's stage processes on this machine's CPU (gloo); "
+                         "for stages on GPUs use torchrun with NCCL (see the README)")
+    if config.device == "cuda" and not _cuda_available():
+        raise ValueError("device='cuda' but this host has no CUDA GPU (torch.cuda.is_available() is False)")
+
+
+def _cuda_available() -> bool:
+    import torch  # the one check that needs torch, loaded only when a GPU is asked for
+    return torch.cuda.is_available()
