@@ -1,12 +1,16 @@
 """Checks for the lessons' "your turn" cells: each runs what the learner wrote against the lab's
 own answer and, when it differs, says what is wrong and why, not just that it is.
 
-A check returns a one-line "✓ ..." on success and raises `Feedback` (an AssertionError) otherwise.
+A check never stops a notebook (Run All runs every cell, as Kaggle Learn's `q.check()` does): it
+returns one line, "✓ ..." for a right answer, "✗ ..." with the specific feedback for a wrong one,
+and "… not attempted yet: ..." while the `...` is still there. The cells after an exercise use
+`yours_if_right`, so they run the same whether or not the learner has done it.
 """
 from __future__ import annotations
 
+import functools
 import math
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -19,23 +23,70 @@ from engine.schedule import gpipe
 from . import theory
 
 
-class Feedback(AssertionError):
+class Feedback(Exception):
     """What is wrong with an answer, in words a learner can act on."""
 
 
+class NotAttempted(Exception):
+    """The answer is still the `...` the notebook was committed with."""
+
+
+def _exercise(judge: Callable[..., str]) -> Callable[..., str]:
+    """A check from a judge that returns "✓ ..." or raises Feedback / NotAttempted: the check
+    returns the line to print instead of raising."""
+    @functools.wraps(judge)
+    def check(*answer) -> str:
+        try:
+            return judge(*answer)
+        except NotAttempted as why:
+            return f"… not attempted yet: {why}"
+        except Feedback as why:
+            return f"✗ {why}"
+    return check
+
+
+def yours_if_right(check: Callable[[Any], str], answer: Any, reference: Any) -> tuple[Any, str]:
+    """(`answer`, "your") if it passes `check`, else (the lab's `reference`, "the lab's"): the
+    cells after an exercise run on a right answer either way (the check's cell said why)."""
+    return (answer, "your") if check(answer).startswith("✓") else (reference, "the lab's")
+
+
+def _attempted(answer, name: str):
+    if answer is None or answer is Ellipsis:
+        raise NotAttempted(f"replace the `...` in {name} above with your answer, run that cell, then this one")
+    return answer
+
+
 def _called(fn: Callable, *args):
-    if fn is None or not callable(fn):
-        raise Feedback("define the function first (run the cell above it)")
-    result = fn(*args)
+    """fn(*args), the learner's function: an exception in it becomes feedback that names it."""
+    _attempted(fn, "the cell")
+    if not callable(fn):
+        raise Feedback(f"expected a function, got {type(fn).__name__}: define it with def, as the cell above does")
+    try:
+        result = fn(*args)
+    except Exception as error:
+        raise Feedback(f"{_call_text(fn, args)} raised {type(error).__name__}: {error}") from error
     if result is None or result is Ellipsis:
-        raise Feedback(f"{fn.__name__}{args} returned {result!r}: replace the `...` with your answer")
+        raise NotAttempted(f"{_call_text(fn, args)} returned {result!r}: replace the `...` in it with your answer "
+                           f"(and return it), run that cell, then this one")
     return result
 
 
+def _call_text(fn: Callable, args: tuple) -> str:
+    return f"{fn.__name__}({', '.join(repr(a) if isinstance(a, (int, float, list)) else type(a).__name__ for a in args)})"
+
+
 def _close(a, b) -> bool:
-    return isinstance(a, (int, float)) and math.isclose(a, b, rel_tol=1e-9, abs_tol=1e-12)
+    """a is a number (Python's, numpy's, a one-element tensor) equal to b up to rounding."""
+    if isinstance(a, (bool, str)):
+        return False
+    try:
+        return math.isclose(float(a), b, rel_tol=1e-9, abs_tol=1e-12)
+    except (TypeError, ValueError, RuntimeError):
+        return False
 
 
+@_exercise
 def check_training_bytes(fn: Callable[[int], float]) -> str:
     """fn(parameters): bytes a float32 model with Adam keeps besides activations."""
     for params in (1, 1000, 123_456):
@@ -51,6 +102,7 @@ def check_training_bytes(fn: Callable[[int], float]) -> str:
     return "✓ 16 bytes per parameter: weights, gradients and Adam's two moments, 4 bytes each"
 
 
+@_exercise
 def check_naive_bubble(fn: Callable[[int], float]) -> str:
     """fn(K): the idle share of K stages running one micro-batch (M = 1)."""
     for stages in (2, 4, 8, 1):
@@ -63,6 +115,7 @@ def check_naive_bubble(fn: Callable[[int], float]) -> str:
     return "✓ (K-1)/K: with M = 1 only one stage works at a time"
 
 
+@_exercise
 def check_bubble(fn: Callable[[int, int], float]) -> str:
     """fn(K, M): the bubble of GPipe's fill-drain schedule."""
     for stages, micro in ((2, 1), (4, 4), (4, 16), (8, 32), (1, 4)):
@@ -81,6 +134,7 @@ def check_bubble(fn: Callable[[int, int], float]) -> str:
     return "✓ (K-1)/(M+K-1): K-1 idle slots of fill and drain out of M+K-1"
 
 
+@_exercise
 def check_fill_drain(fn: Callable[[int, int], list]) -> str:
     """fn(K, M): each stage's task list in GPipe's order, as strings like "F0" and "B3"."""
     for stages, micro in ((1, 1), (2, 3), (3, 4)):
@@ -96,11 +150,14 @@ def check_fill_drain(fn: Callable[[int, int], list]) -> str:
             if mine != right:
                 i = next(i for i, (a, b) in enumerate(zip(mine, right)) if a != b)
                 why = ("all forwards come before any backward (the pipe fills, then drains)" if right[i][0] != mine[i][0]
+                       else "forwards run in micro-batch order, the order the mini-batch was split in"
+                       if right[i][0] == "F"
                        else "the drain runs the last micro-batch first: it is the first to finish its forward")
                 raise Feedback(f"K={stages}, M={micro}, stage {k}, task {i}: got {mine[i]}, expected {right[i]}: {why}")
     return "✓ the fill-drain order, as engine.schedule.gpipe builds it"
 
 
+@_exercise
 def check_ideal_speedup(fn: Callable[[int, int], float]) -> str:
     """fn(K, M): throughput over one device with equal stages and free transfers."""
     for stages, micro in ((1, 1), (2, 1), (4, 4), (8, 32)):
@@ -113,6 +170,7 @@ def check_ideal_speedup(fn: Callable[[int, int], float]) -> str:
     return "✓ K·M/(M+K-1): K devices times the busy share"
 
 
+@_exercise
 def check_checkpointed_stage(fn: Callable[[nn.Module, torch.Tensor], torch.Tensor]) -> str:
     """fn(block, x): the block's output, keeping only x for the backward (torch.utils.checkpoint)."""
     torch.manual_seed(0)
@@ -126,8 +184,14 @@ def check_checkpointed_stage(fn: Callable[[nn.Module, torch.Tensor], torch.Tenso
     ledger = ActivationLedger(list(block.parameters()) + [x])
     with ledger.saving():
         out = _called(fn, block, x)
+    if not isinstance(out, torch.Tensor) or out.shape != plain_out.shape:
+        raise Feedback(f"expected a tensor shaped like block(x), {tuple(plain_out.shape)}: got {out!r:.80}")
     if not torch.allclose(out, plain_out, atol=1e-6):
         raise Feedback("the output differs from block(x): checkpointing changes what is kept, not what is computed")
+    if not out.requires_grad:
+        raise Feedback("the output carries no graph, so nothing can be differentiated (torch.no_grad() keeps nothing "
+                       "and forgets how to go back): checkpointing keeps the input and recomputes the forward in the "
+                       "backward; use torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False)")
     if ledger.peak > 0:
         raise Feedback(f"autograd kept {ledger.peak:,} bytes of activations during the forward: checkpointing keeps "
                        f"only the input; wrap the block: torch.utils.checkpoint.checkpoint(block, x, "
@@ -155,6 +219,7 @@ def _engine_recompute(block: nn.Module, x: torch.Tensor) -> tuple[list[torch.Ten
         pipe.close()
 
 
+@_exercise
 def check_accumulation(fn: Callable) -> str:
     """fn(model, x, y, loss_fn, micro): gradients of the mean loss over the batch, accumulated
     micro-batch by micro-batch into .grad."""
@@ -165,7 +230,21 @@ def check_accumulation(fn: Callable) -> str:
     loss_fn(model(x), y).backward()
     whole = [p.grad.clone() for p in model.parameters()]
     model.zero_grad()
-    fn(model, x, y, loss_fn, 4)
+    sizes: list[int] = []
+    hook = model.register_forward_pre_hook(lambda _, inputs: sizes.append(len(inputs[0])))
+    try:
+        _attempted(fn, "the cell")
+        fn(model, x, y, loss_fn, 4)
+    except Exception as error:
+        raise Feedback(f"{fn.__name__}(model, x, y, loss_fn, 4) raised {type(error).__name__}: {error}") from error
+    finally:
+        hook.remove()
+    if not sizes and all(p.grad is None for p in model.parameters()):
+        raise NotAttempted(f"{fn.__name__} ran no forward: replace the `...` in it with your answer, run that cell, "
+                           f"then this one")
+    if sizes != [6] * 4:
+        raise Feedback(f"the model ran on batches of {sizes} samples: run it on each of the 4 micro-batches of 6 "
+                       f"samples (x.chunk(micro)), one forward and backward each, so that .grad accumulates")
     got = [p.grad for p in model.parameters()]
     if any(g is None for g in got):
         raise Feedback("some parameters have no gradient: call .backward() on each micro-batch's loss")
@@ -180,9 +259,11 @@ def check_accumulation(fn: Callable) -> str:
     return "✓ the sum over micro-batches of (1/M) x mean loss gives the whole batch's gradients"
 
 
+@_exercise
 def check_best_cut(fn: Callable[[list, int], list]) -> str:
     """fn(costs, K): layers per stage, consecutive, making the costliest stage as cheap as possible."""
-    for costs, stages in (([4, 1, 1, 1, 1], 2), ([16, 16, 4, 4, 1, 1, 1], 3), ([1, 1, 1, 1], 4)):
+    for costs, stages in (([4, 1, 1, 1, 1], 2), ([16, 16, 4, 4, 1, 1, 1], 3), ([1, 1, 1, 1], 4),
+                          ([8, 1, 8, 19, 14, 14], 4)):  # the last beats a greedy cut: [2, 1, 1, 2] vs [3, 1, 1, 1]
         got = [int(n) for n in _called(fn, costs, stages)]
         if len(got) != stages or sum(got) != len(costs) or min(got) < 1:
             raise Feedback(f"costs {costs}, K={stages}: got {got}; expected {stages} counts of at least one layer, "
@@ -198,6 +279,7 @@ def check_best_cut(fn: Callable[[list, int], list]) -> str:
     return "✓ the cut minimizes the costliest stage, as balance_by_time's solver does"
 
 
+@_exercise
 def check_in_flight(fn: Callable[[int, int], int]) -> str:
     """fn(K, k): micro-batches stage k holds at most under 1F1B (M >= K)."""
     for stages in (1, 2, 4, 8):
@@ -212,6 +294,7 @@ def check_in_flight(fn: Callable[[int, int], int]) -> str:
     return "✓ K-k: the first stage holds K micro-batches, the last one only one (GPipe holds all M)"
 
 
+@_exercise
 def check_boundary_bytes(fn: Callable[[int, float], float]) -> str:
     """fn(N, bytes_per_sample): bytes crossing one cut between stages in one training step."""
     for batch, per_sample in ((1, 4.0), (32, 256.0), (64, 4096.0)):
@@ -224,8 +307,10 @@ def check_boundary_bytes(fn: Callable[[int, float], float]) -> str:
     return "✓ 2·N·(bytes per sample): activations forward, gradients back, whatever M is"
 
 
+@_exercise
 def check_first_pipe(pipe) -> str:
     """A pipe of 3 stages and 6 micro-batches over the learner's own model, after one step."""
+    _attempted(pipe, "my_pipe = ...")
     if not isinstance(pipe, GPipe):
         raise Feedback(f"my_pipe is {type(pipe).__name__}: build it with GPipe(model, balance=..., chunks=...)")
     if pipe.stages != 3:
@@ -239,10 +324,14 @@ def check_first_pipe(pipe) -> str:
             f"{pipe.trace.bubble:.0%} measured (theory {theory.bubble(3, ran):.0%} for equal stages)")
 
 
+@_exercise
 def check_plan(choice: dict, rows: list[dict]) -> str:
     """choice = dict(stages=K, micro_batches=M, checkpoint=...): a setting the prediction says
     fits, and among those the fastest in the unit-cost model (within 5%)."""
     keys = ("stages", "micro_batches", "checkpoint")
+    _attempted(choice, "choice = ...")
+    if isinstance(choice, dict) and Ellipsis in choice.values():
+        raise NotAttempted("replace each `...` in choice = dict(...) above with your setting, run that cell, then this one")
     if not isinstance(choice, dict) or set(choice) != set(keys):
         raise Feedback(f"choice must be a dict with the keys {keys}, got {choice!r}")
     row = next((r for r in rows if (r["K"], r["M"], r["checkpoint"]) == tuple(choice[k] for k in keys)), None)
@@ -257,3 +346,10 @@ def check_plan(choice: dict, rows: list[dict]) -> str:
         raise Feedback(f"{choice} fits, but is predicted at {row['time vs one device (theory)']} of one device's time "
                        f"where another setting that fits gets {best}: more micro-batches shrink the bubble")
     return f"✓ fits the budget by prediction and is among the fastest settings that do ({row['time vs one device (theory)']})"
+
+
+def best_plan(rows: list[dict]) -> dict:
+    """The lab's answer to check_plan: among the settings predicted to fit, the fastest in the
+    unit-cost model."""
+    best = min((r for r in rows if r["fits (predicted)"]), key=lambda r: r["time vs one device (theory)"])
+    return dict(stages=best["K"], micro_batches=best["M"], checkpoint=best["checkpoint"])

@@ -2,14 +2,14 @@
 
 A cell is *measured* when the host can run its K stages at once (K GPUs, or K cores at one
 thread per stage); otherwise it is the *ideal replay* of task times measured one at a time, and
-says so. Throughput is normalized to K=1, M=1 (the paper's single-device baseline) and to K=1 at
+says so. Throughput is normalized to K=1, M=1 (one device; the paper's Table 2 has no such cell, it
+normalizes to K=2, M=1, which a cell also carries as `vs_pair`) and to K=1 at
 the same M, like with like: a measured cell by the measured K=1 step, a replayed cell by the
 K=1 step's own task times laid end to end (a replay has no per-step overhead, so comparing it
 with a measured step would flatter it).
 """
 from __future__ import annotations
 
-import statistics
 from dataclasses import dataclass
 from typing import Callable, Iterable, Iterator, Optional
 

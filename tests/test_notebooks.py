@@ -1,7 +1,8 @@
-"""Every notebook runs end to end (small sizes, GPIPE_LAB_QUICK=1) with each "your turn" cell
-filled in with its folded answer, so the checks that judge a learner's code are themselves run;
-the notebooks whose claims depend on the host's size also run as if the host had 1, 8 or 16
-parallel devices. They are committed without outputs."""
+"""Every notebook runs end to end (small sizes, GPIPE_LAB_QUICK=1) both ways a learner meets it:
+as committed, every "your turn" cell still blank (Run All runs every cell, and each check says
+"not attempted yet"), then, in the same kernel, each folded answer with its check (every check
+passes). The notebooks whose claims depend on the host's size also run as if the host had
+1, 8 or 16 parallel devices. They are committed without outputs."""
 import json
 import re
 from pathlib import Path
@@ -73,24 +74,41 @@ def test_most_notebooks_are_labs():
 
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
-def test_runs_end_to_end_with_the_answers(path, monkeypatch):
-    notebook = execute(path, monkeypatch)
-    checks = [c for c in notebook.cells if c.cell_type == "code" and "exercises.check_" in c.source]
-    for cell in checks:
-        printed = "".join(o.get("text", "") for o in cell.outputs if o.output_type == "stream")
-        assert printed.startswith("✓"), f"the folded answer should pass its check: {printed!r}"
+def test_run_all_as_committed_then_each_answer(path, monkeypatch):
+    """What a learner gets from Run All before doing any exercise: every cell runs (an error in any
+    cell fails the test), and each check says that its exercise is not attempted yet. Then, in the
+    same kernel, as a learner who fills them in: each folded answer, then its check again, passes.
+    (The cells after an exercise run on the lab's reference until then, and on the answer once it
+    passes: the same values, so Run All as committed covers them; the host-size runs below execute
+    answered notebooks top to bottom.)"""
+    monkeypatch.setenv("GPIPE_LAB_QUICK", "1")
+    notebook = nbformat.read(path, as_version=4)
+    client = NotebookClient(notebook, timeout=300, kernel_name="python3",
+                            resources={"metadata": {"path": str(path.parent)}})
+    with client.setup_kernel():
+        for index, cell in enumerate(notebook.cells):
+            client.execute_cell(cell, index)
+        for printed in check_lines(notebook):
+            assert printed.startswith("… not attempted yet") and "replace" in printed and "`...`" in printed, printed
+        cells = notebook.cells
+        for i, cell in enumerate(cells):
+            if tagged(cell, "answer"):
+                answer = nbformat.v4.new_code_cell(re.search(r"```python\n(.*?)\n```", cell.source, re.S).group(1))
+                check = nbformat.v4.new_code_cell(cells[i + 1].source)
+                client.execute_cell(answer, i)
+                client.execute_cell(check, i + 1)
+                printed = "".join(o.get("text", "") for o in check.outputs if o.output_type == "stream")
+                assert printed.startswith("✓"), f"the folded answer should pass its check: {printed!r}"
+
+
+def check_lines(notebook) -> list[str]:
+    """What each check cell (the cell after a "your turn" cell's folded answer) printed."""
+    cells = notebook.cells
+    checks = [cells[i + 1] for i, cell in enumerate(cells) if tagged(cell, "answer")]
+    return ["".join(o.get("text", "") for o in cell.outputs if o.output_type == "stream") for cell in checks]
 
 
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("stem,devices", HOST_SIZES, ids=[f"{s[:2]}-{d}-devices" for s, d in HOST_SIZES])
 def test_runs_on_other_host_sizes(stem, devices, monkeypatch):
     execute(next(p for p in NOTEBOOKS if p.stem == stem), monkeypatch, devices)
-
-
-def test_an_unanswered_turn_gets_feedback_not_a_crash():
-    from lab import exercises
-
-    def bubble(K, M):
-        ...
-    with pytest.raises(exercises.Feedback, match="replace the `...`"):
-        exercises.check_bubble(bubble)
