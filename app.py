@@ -109,8 +109,8 @@ def live_run(config: RunConfig, chart) -> RunRecord:
     """Run the configuration, unless a session of this server has run it already (then the cache
     answers at once): in `chart`, which shows the theory diagram (open_page), the warm-up step's
     Gantt chart grows as its tasks finish; the chart that stays is the median of the measured
-    steps, run with nothing drawn meanwhile. Drawing happens outside the cached function, which must not call
-    Streamlit elements; the finished record is handed to the cache."""
+    steps, run with nothing drawn meanwhile. Drawing happens outside the cached function, which
+    must not call Streamlit elements; the finished record is handed to the cache."""
     if not measured(config):
         events, last = [], [0.0]
 

@@ -57,8 +57,9 @@ def _attempted(answer, name: str):
     return answer
 
 
-def _called(fn: Callable, *args):
-    """fn(*args), the learner's function: an exception in it becomes feedback that names it."""
+def _called(fn: Callable, *args, returns: bool = True):
+    """fn(*args), the learner's function: an exception in it becomes feedback that names it; with
+    `returns`, a result of None or `...` means the answer is not written yet."""
     _attempted(fn, "the cell")
     if not callable(fn):
         raise Feedback(f"expected a function, got {type(fn).__name__}: define it with def, as the cell above does")
@@ -66,7 +67,7 @@ def _called(fn: Callable, *args):
         result = fn(*args)
     except Exception as error:
         raise Feedback(f"{_call_text(fn, args)} raised {type(error).__name__}: {error}") from error
-    if result is None or result is Ellipsis:
+    if returns and (result is None or result is Ellipsis):
         raise NotAttempted(f"{_call_text(fn, args)} returned {result!r}: replace the `...` in it with your answer "
                            f"(and return it), run that cell, then this one")
     return result
@@ -233,10 +234,7 @@ def check_accumulation(fn: Callable) -> str:
     sizes: list[int] = []
     hook = model.register_forward_pre_hook(lambda _, inputs: sizes.append(len(inputs[0])))
     try:
-        _attempted(fn, "the cell")
-        fn(model, x, y, loss_fn, 4)
-    except Exception as error:
-        raise Feedback(f"{fn.__name__}(model, x, y, loss_fn, 4) raised {type(error).__name__}: {error}") from error
+        _called(fn, model, x, y, loss_fn, 4, returns=False)  # it accumulates into .grad
     finally:
         hook.remove()
     if not sizes and all(p.grad is None for p in model.parameters()):
