@@ -4,8 +4,9 @@ processes (notebooks and every session of the app).
 Starting K processes costs seconds, so the pool stays up between runs and is made again only
 when K (or the threads per stage) changes, or after it failed; the app starts it ahead of its
 first run (`start_ahead`). A K=1 baseline needs no pool: one stage is this process, one thread.
-One run uses it at a time: a run that finds it busy waits its turn (and says so through `on_wait`). It is shut down when the
-interpreter exits, and its processes die with this one in any case.
+One run uses it at a time: a run that finds it busy waits its turn (and says so through
+`on_wait`). It is shut down when the interpreter exits, and its processes die with this one in any
+case.
 """
 from __future__ import annotations
 
