@@ -103,7 +103,7 @@ class Chunk:
 
     def run(self, task: Task, received) -> Optional[tuple[int, tuple, Value]]:
         """Run one task. `received` is what the upstream chunk sent for it (activation for F on a
-        later chunk, gradient for B on an earlier one), else None. Returns the message for a
+        later chunk, gradient for B on an earlier one; already safe to use on this stage), else None. Returns the message for a
         neighbouring chunk, (chunk, key, value), if the task produced one."""
         run = {"F": self._forward, "R": self._recompute, "B": self._backward, "W": self._weights}[task.op]
         return run(task.micro, received)
@@ -114,7 +114,7 @@ class Chunk:
 
     def _forward(self, micro: int, received):
         call, state = self.call, self.state
-        x = self.device.to_here(call.inputs[micro]) if self.is_first else self.device.receive(received)
+        x = self.device.to_here(call.inputs[micro]) if self.is_first else received
         if not call.training:
             with torch.no_grad():
                 out = self._layers(x, micro)
@@ -156,7 +156,7 @@ class Chunk:
             roots = [out] if out.requires_grad else []
             grads = [torch.tensor(self.call.weights[micro], dtype=out.dtype, device=out.device)][:len(roots)]
         else:
-            grads_out = tensors_of(self.device.receive(received))
+            grads_out = tensors_of(received)
             pairs = [(o, g) for o, g in zip(tensors_of(out), grads_out) if g is not None and o.requires_grad]
             roots, grads = [o for o, _ in pairs], [g for _, g in pairs]
         del out

@@ -14,6 +14,7 @@ from contextlib import ExitStack
 from typing import Optional, Sequence
 
 import torch
+from torch import nn
 
 from .microbatch import Value, rebuild, tensors_of
 
@@ -40,13 +41,33 @@ def keep_freed_cpu_memory() -> bool:
         return False
 
 
-def resolve_devices(devices: Optional[Sequence], stages: int) -> list[torch.device]:
-    """One checked torch.device per stage; default cuda:0..K-1 when there are K GPUs, else CPU."""
+def resolve_devices(devices, stages: int, module: Optional[nn.Module] = None) -> list[torch.device]:
+    """One checked torch.device per stage. The policy is the same for every K, so that K=1 and K=2
+    never run on different kinds of device: `None` keeps every stage where the model already is
+    (the CPU for a model built on it); a device name puts every stage there, except a bare "cuda",
+    which spreads the stages over the visible GPUs (stage k on cuda:k mod count); a list gives each
+    stage its own."""
     if devices is None:
-        if torch.cuda.is_available() and torch.cuda.device_count() >= stages:
-            return [torch.device("cuda", k) for k in range(stages)]
-        return [torch.device("cpu")] * stages
+        return [home_device(module)] * stages
+    if isinstance(devices, (str, torch.device)):
+        return [check_device(d, k) for k, d in enumerate(spread(devices, stages))]
     return [check_device(d, i) for i, d in enumerate(one_per_stage(devices, stages))]
+
+
+def spread(device, stages: int) -> list:
+    """`stages` copies of one device name, except that a bare "cuda" cycles over the visible GPUs."""
+    if str(device) == "cuda" and torch.cuda.is_available():
+        return [torch.device("cuda", k % torch.cuda.device_count()) for k in range(stages)]
+    return [device] * stages
+
+
+def home_device(module: Optional[nn.Module]) -> torch.device:
+    """The one device holding the model's parameters and buffers (the CPU if it has none)."""
+    found = {t.device for t in (list(module.parameters()) + list(module.buffers()) if module is not None else [])}
+    if len(found) > 1:
+        raise ValueError(f"the model's parameters and buffers are on several devices "
+                         f"({', '.join(sorted(map(str, found)))}); pass devices= with one device per stage")
+    return found.pop() if found else torch.device("cpu")
 
 
 def one_per_stage(devices, stages: int) -> list:
@@ -122,29 +143,43 @@ class StageDevice:
         return mark
 
     def send(self, value: Value, destination: torch.device):
-        """Move `value` towards `destination` on this stage's stream; returns what to put in the mailbox."""
-        non_blocking = destination.type == "cuda"
-        moved = rebuild(value, [None if t is None else t.to(destination, non_blocking=non_blocking)
+        """Move `value` towards `destination` on this stage's stream; returns what to put in the mailbox:
+        the moved value and the event the receiver waits on (None when the copy is complete on return,
+        as a copy to the host is)."""
+        to_gpu = destination.type == "cuda"
+        moved = rebuild(value, [None if t is None else t.to(destination, non_blocking=to_gpu)
                                 for t in tensors_of(value)])
-        if not (self.is_cuda or destination.type == "cuda"):
+        if not to_gpu:
             return moved, None
         ready = torch.cuda.Event()
         ready.record(torch.cuda.current_stream(destination))
         return moved, ready
 
     def to_here(self, value: Value) -> Value:
-        """Move a value from outside the pipeline (an input or target chunk) onto this stage's device."""
-        return rebuild(value, [t.to(self.device) for t in tensors_of(value)])
+        """Move a value from outside the pipeline (an input or target chunk) onto this stage's device,
+        without making the host wait for this stage's queued work."""
+        return rebuild(value, [t.to(self.device, non_blocking=self.is_cuda) for t in tensors_of(value)])
 
     def receive(self, payload) -> Value:
-        """Make a value sent by another stage safe to use on this stage's stream."""
+        """Make a value sent by another stage safe to use on this stage's stream: the stream waits for
+        the sender's event, or for the NCCL receives (a list of works) that brought the value."""
         value, ready = payload
         if self.is_cuda and ready is not None:
-            self.stream.wait_event(ready)
+            if isinstance(ready, torch.cuda.Event):
+                self.stream.wait_event(ready)
+            else:
+                for work in ready:  # called under this stage's stream: that stream waits for the receive
+                    work.wait()
             for t in tensors_of(value):
                 if t is not None and t.is_cuda:
                     t.record_stream(self.stream)
         return value
+
+    def settle(self) -> None:
+        """Wait until this stage's queued GPU work has run (nothing to wait for on CPU): a serial run
+        settles after each task, so that every task is timed alone."""
+        if self.is_cuda:
+            self.stream.synchronize()
 
     def peak_bytes(self) -> Optional[int]:
         """torch.cuda.max_memory_allocated of this stage's GPU since the step began; None on CPU."""

@@ -30,10 +30,15 @@ class GPipe(nn.Module):
     `pipe.parameters()` (or, on CPU, over the model's) trains the model itself. Gradients equal
     those of the whole mini-batch on one device; see README for what "equal" means bit for bit.
 
+    `devices` says where the stages run, the same way for every K: None (the default) keeps them
+    where the model is (a model built on the CPU stays there, even on a host with GPUs); a device
+    name puts every stage there, "cuda" spreads them over the visible GPUs; a list names one device
+    per stage.
+
     By default every stage is a thread of this process. With `group=` (a torch.distributed process
     group of K ranks) rank i runs stage i in its own process: every rank builds the same model and
     calls the same methods; each keeps only its stage's layers (the others' parameters are freed),
-    `pipe.parameters()` are its stage's, and `devices=None` means cpu, or cuda:LOCAL_RANK with CUDA.
+    and `pipe.parameters()` are its stage's; there "cuda" means this rank's GPU, cuda:LOCAL_RANK.
     """
 
     def __init__(self, module: nn.Sequential, balance: Union[int, Sequence[int]],
@@ -65,11 +70,11 @@ class GPipe(nn.Module):
         self.deferred_batch_norm = deferred_batch_norm
         if group is None:
             self.rank = None
-            self.devices = resolve_devices(devices, stages)
+            self.devices = resolve_devices(devices, stages, module)
             placed = dict(enumerate(self.devices))
         else:  # the process path is a plug-in: imported only by pipes that run one stage per process
             from .distributed.runner import place
-            self.rank, device = place(group, stages, devices)
+            self.rank, device = place(group, stages, devices, module)
             self.devices = [device]
             placed = {self.rank: device}
         partitions = split(module, self.balance)

@@ -30,10 +30,11 @@ Mark = tuple  # (task, start mark, end mark)
 
 
 def run_tasks(local: LocalStages, work: Iterable[tuple[int, Task]], transport,
-              on_mark: Optional[Callable[[int, Task, object, object], None]] = None, prefix: str = "") -> list[Mark]:
+              on_mark: Optional[Callable[[int, Task, object, object], None]] = None, prefix: str = "",
+              settle: bool = False) -> list[Mark]:
     """Run `work`, (stage, task) pairs, in order on the calling thread, each under its stage's device
     setup; return their (task, start, end) marks. `on_mark(stage, task, start, end)` is told of each
-    as it ends. A failure is re-raised with `prefix` and its place in the message; Aborted (another
+    as it ends. `settle` waits for each task's GPU work before the next starts (a serial run). A failure is re-raised with `prefix` and its place in the message; Aborted (another
     stage failed) is passed on as it is."""
     marks: list[Mark] = []
     current, setup, stage, task = None, ExitStack(), None, None
@@ -44,10 +45,13 @@ def run_tasks(local: LocalStages, work: Iterable[tuple[int, Task]], transport,
                 setup.close()
                 setup, current = local.devices[stage].enter(), stage
             chunk = local.chunks[task.chunk]
-            received = transport.receive(stage, message_key(task)) if upstream(task, chunk.count) else None
-            start = chunk.device.mark()  # after the input arrived: waiting is idle time, not work
-            message = chunk.run(task, received)
+            received = chunk.device.receive(transport.receive(stage, message_key(task))) \
+                if upstream(task, chunk.count) else None
+            start = chunk.device.mark()  # after the input arrived (on CUDA: after the stream's wait for
+            message = chunk.run(task, received)  # it is queued), so waiting is idle time, not work
             end = chunk.device.mark()
+            if settle:
+                chunk.device.settle()
             if message is not None:  # sent after the end mark: the receiver never starts before it
                 destination, key, value = message
                 transport.send(chunk.index, destination, key, value)
@@ -107,14 +111,13 @@ class ThreadRunner:
 
     def run(self, call: Call, on_event: EventCallback = None, serial: bool = False):
         """Run the call's tasks; return (its result, its trace)."""
-        t0 = self.origin = time.perf_counter()
-        self.local.start(call, t0)
+        t0 = self.origin = self.local.start(call)
         transport = ThreadTransport(self.local.chunks, self.stages)
         if serial:
             unit = timeline(call.schedule, lambda stage, task: 1.0)
             order = sorted((start, k, i) for k, times in enumerate(unit) for i, (start, _) in enumerate(times))
             marks = run_tasks(self.local, [(k, call.schedule[k][i]) for _, k, i in order], transport,
-                              live(self.local, on_event))
+                              live(self.local, on_event), settle=True)
         else:
             if self._threads is None:
                 self._threads = StageThreads(self.stages)

@@ -5,6 +5,8 @@ way a runner starts the call here, runs the tasks, and concludes it here.
 """
 from __future__ import annotations
 
+import time
+
 import torch
 
 from .call import Call
@@ -31,18 +33,21 @@ class LocalStages:
         """Whether this process runs the model's last chunk (it reads the targets, computes the loss)."""
         return self.chunk_count - 1 in self.chunks
 
-    def start(self, call: Call, t0: float) -> None:
-        """Begin a call: time origin and peak memory reset per device, and one activation ledger per
-        stage, shared by all of its chunks."""
+    def start(self, call: Call) -> float:
+        """Begin a call and return its time origin (a perf_counter reading), taken once every GPU of
+        these stages is idle, so that host and GPU clocks start together: peak memory reset per
+        device, and one activation ledger per stage, shared by all of its chunks."""
         for device in {d.device for d in self.devices.values() if d.is_cuda}:
             torch.cuda.synchronize(device)
             torch.cuda.reset_peak_memory_stats(device)
+        t0 = time.perf_counter()
         for stage, device in self.devices.items():
             device.start(t0)
             mine = [chunk for chunk in self.chunks.values() if chunk.stage == stage]
             ledger = ActivationLedger([p for chunk in mine for p in chunk.parameters()])
             for chunk in mine:
                 chunk.start(call, ledger)
+        return t0
 
     def conclude(self, call: Call):
         """After every task ran: deferred batch norm's statistics, and the call's result if this

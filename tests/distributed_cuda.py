@@ -31,7 +31,7 @@ def main():
     torch.manual_seed(1)
     x, y = torch.randn(32, 16), torch.randint(0, 3, (32,))
     model = mlp(dropout=0.2)
-    pipe = GPipe(model, 2, chunks=4, seed=3, checkpoint="always", group=dist.group.WORLD)
+    pipe = GPipe(model, 2, chunks=4, seed=3, checkpoint="always", group=dist.group.WORLD, devices="cuda")
     train(pipe, x.cuda() if rank == 0 else None, y.cuda() if rank == 1 else None)
     reference = mlp(dropout=0.2)
     threads = GPipe(reference, 2, chunks=4, seed=3, checkpoint="always", devices=["cuda:0", "cuda:1"])

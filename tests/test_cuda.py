@@ -39,3 +39,32 @@ def test_cuda_trace_has_gpu_times_and_memory_peaks():
     assert all(m.device_peak_bytes and m.device_peak_bytes > 0 for m in pipe.trace.memory)
     out = pipe(x.cuda())
     assert out.device == torch.device(devices(2)[-1])
+
+
+def test_a_model_on_a_gpu_keeps_every_stage_there_for_every_k():
+    for stages in (1, 2, 3):
+        model = mlp().to("cuda:0")
+        assert GPipe(model, stages, chunks=2).devices == [torch.device("cuda", 0)] * stages
+
+
+def test_a_gpu_stage_hands_over_to_a_cpu_stage_and_back():
+    torch.manual_seed(1)
+    x, y = torch.randn(32, 16, dtype=torch.float64), torch.randint(0, 3, (32,))
+    reference = mlp(dtype=torch.float64)
+    LOSS(reference(x), y).backward()
+    model = mlp(dtype=torch.float64)
+    GPipe(model, 3, chunks=4, devices=["cuda:0", "cpu", "cuda:0"]).step(x, y, LOSS)
+    for a, b in zip(grads(model), grads(reference)):
+        assert torch.allclose(a.cpu(), b, atol=1e-12)
+
+
+def test_serial_runs_time_each_task_alone_and_traces_keep_dependencies():
+    torch.manual_seed(1)
+    x, y = torch.randn(256, 16), torch.randint(0, 3, (256,))
+    pipe = GPipe(mlp(width=16, depth=6), 2, chunks=8, devices=devices(2))
+    pipe.step(x, y, LOSS, serial=True)
+    events = sorted(pipe.trace.events, key=lambda e: e.start)
+    assert all(b.start >= a.end - 1e-6 for a, b in zip(events, events[1:]))
+    pipe.step(x, y, LOSS)
+    from lab.doctor import out_of_order
+    assert out_of_order(pipe.trace) == []

@@ -21,6 +21,7 @@ import queue
 import struct
 import threading
 import time
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -55,13 +56,16 @@ class GlooLane:
 
     name = "gloo"
 
-    def __init__(self, rank: int, members: list[int], peers: list[int], device: torch.device, nccl: bool):
+    def __init__(self, rank: int, members: list[int], peers: list[int], device: torch.device, nccl: bool,
+                 wraps: bool = False):
         self.rank, self.device = rank, device
         self.wire = dist.new_group(members, backend="gloo", timeout=NEVER, use_local_synchronization=False)
-        # NCCL matches messages per peer in posting order, with equal counts on both sides: one
-        # communicator per direction keeps activations and gradients apart; headers go on gloo
-        self.tensor_groups = {kind: dist.new_group(members, backend="nccl", use_local_synchronization=False)
-                              for kind in ("act", "grad")} if nccl else {}
+        # NCCL matches messages per peer in posting order and may hold a send until its receive is
+        # posted: one communicator per channel (kind and direction) keeps each one-way, so no two
+        # ranks can both wait on sends posted first; headers go on gloo
+        self.tensor_groups = {channel: dist.new_group(members, backend="nccl", timeout=NEVER,
+                                                      use_local_synchronization=False)
+                              for channel in nccl_channels(wraps)} if nccl else {}
         self._events: queue.SimpleQueue = queue.SimpleQueue()  # (link, slot) or (None, error, peer)
         self._in_flight: collections.deque = collections.deque()  # (works, buffers, peer) of sends not yet reaped
         self._reap = threading.Condition()           # wakes the sender thread: reap what is in flight
@@ -80,7 +84,7 @@ class GlooLane:
 
     def post(self, destination: int, step: int, kind: str, micro: int, chunk: int, decision, value) -> None:
         """Send one message; its buffers are held until the send completes, on the sender thread."""
-        group = self.tensor_groups.get(kind)
+        group = self.tensor_groups.get(channel(kind, self.rank, destination))
         if group is None:
             frame, tensors = wire.encode(step, kind, micro, chunk, decision, _on_cpu(value))
             group, tag = self.wire, DATA_TAG
@@ -105,33 +109,34 @@ class GlooLane:
         header = wire.decode_header(link.views[slot])
         tensors = wire.tensors_in(link.views[slot], header.size, header) if header.inline else None
         link.repost(slot)
-        data = header.kind in ("act", "grad")  # control frames ("end", "done") stay on the host
-        if tensors is None:
-            tensors = self._payload(link.peer, header, data)
-        elif data and self.device.type == "cuda":
-            tensors = [None if t is None else t.to(self.device) for t in tensors]
+        home = lands_on(header.kind, self.device)
         ready = None
-        if header.kind in self.tensor_groups:
-            ready = torch.cuda.Event()
-            ready.record(torch.cuda.current_stream(self.device))
+        if tensors is None:
+            tensors, ready = self._payload(link.peer, header, home)
+        elif home.type == "cuda":  # queued on this stage's stream, which the stage thread is under
+            tensors = [None if t is None else t.to(home, non_blocking=True) for t in tensors]
         return [Arrival(link.peer, header, tensors, ready, start, time.perf_counter())]
 
-    def _payload(self, peer: int, header: wire.Header, data: bool) -> list:
-        """Tensors that follow their frame, received straight into tensors of the announced shapes
-        (activations and gradients then moved to this stage's device)."""
-        group = self.tensor_groups.get(header.kind)
-        device = self.device if group is not None else torch.device("cpu")
-        group, tag = (group, 0) if group is not None else (self.wire, DATA_TAG)
-        tensors = wire.empty_tensors(header, device)
+    def _payload(self, peer: int, header: wire.Header, home: torch.device) -> tuple[list, Optional[list]]:
+        """Tensors that follow their frame, received straight into tensors of the announced shapes,
+        and the NCCL works to wait for before using them (None when they are already here). NCCL
+        receives are only posted: the stage waits for them when a task needs the value, so no
+        stream waits for data meant for a later task."""
+        group = self.tensor_groups.get(channel(header.kind, peer, self.rank))
+        if group is not None:
+            tensors = wire.empty_tensors(header, home)
+            works = [group.recv([t], peer, 0) for t in tensors if t is not None]
+            return wire.marked(tensors, header), works
+        tensors = wire.empty_tensors(header, torch.device("cpu"))
         try:
             for t in tensors:
                 if t is not None:
-                    group.recv([t], peer, tag).wait()
+                    self.wire.recv([t], peer, DATA_TAG).wait()
         except Exception as error:
             raise Lost(peer, error) from None
-        if data and device != self.device:
-            tensors = [None if t is None else t.to(self.device) for t in tensors]
-        return wire.marked(tensors, header)
+        if home.type == "cuda":
+            tensors = [None if t is None else t.to(home, non_blocking=True) for t in tensors]
+        return wire.marked(tensors, header), None
 
     def clock_offset(self, remote: list[int]) -> float:
         """Seconds to subtract from this rank's perf_counter to read rank 0's: 0 on rank 0 and on
@@ -236,6 +241,24 @@ class GlooLane:
                 dist.destroy_process_group(group)
             except Exception:  # the default group is already gone (the process is shutting down)
                 pass
+
+
+def lands_on(kind: str, device: torch.device) -> torch.device:
+    """Where a received message's tensors belong: activations and gradients on the stage's device,
+    control messages ("end" with the loss and trace, "done", "bye") on the host, where they are read."""
+    return device if kind in ("act", "grad") else torch.device("cpu")
+
+
+def channel(kind: str, source: int, destination: int) -> tuple[str, str]:
+    """The NCCL channel a payload travels on: its kind, and whether it goes up or down in rank."""
+    return kind, "up" if destination > source else "down"
+
+
+def nccl_channels(wraps: bool) -> list[tuple[str, str]]:
+    """The channels a pipe uses, in one order for every rank: activations go up and gradients down,
+    and with chunks that wrap around (interleaved) also the other way."""
+    channels = [("act", "up"), ("grad", "down")]
+    return channels + [("act", "down"), ("grad", "up")] if wraps else channels
 
 
 def _on_cpu(value):

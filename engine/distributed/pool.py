@@ -41,7 +41,9 @@ class StageProcessError(ChildFailed):
 
 
 class ProcessPool:
-    """K stage processes on this machine, one per stage, meeting over gloo on loopback."""
+    """K stage processes on this machine, one per stage, meeting over gloo on loopback. `device`
+    says where every stage computes: "cpu" (the default, whatever the host has), or "cuda" (stage
+    k on GPU k mod the GPUs visible; values cross through host memory, since the group is gloo)."""
 
     def __init__(self, stages: int, threads_per_stage: int = 1, keep_freed_memory: bool = True,
                  timeout: float = 300.0, device: str = "cpu", lane: str = "auto"):
@@ -285,9 +287,8 @@ def _build(recipe: str, recipe_kwargs: dict, balance, options: dict, optimizer, 
     from ..pipe import GPipe
 
     model = resolve(recipe)(**recipe_kwargs)
-    stages = dist.get_world_size()
     pipe = GPipe(model, balance, group=dist.group.WORLD,
-                 **{"threads_per_stage": threads, "devices": [device] * stages, **options})
+                 **{"threads_per_stage": threads, "devices": device, **options})
     if optimizer is None:
         return pipe, None
     kind, settings = optimizer

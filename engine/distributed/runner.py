@@ -20,22 +20,22 @@ from typing import Optional
 import torch
 
 from ..call import Call, Decision
-from ..device import check_device, one_per_stage
+from ..device import check_device, resolve_devices
 from ..runner import EventCallback, events_of, live, name_place, run_tasks
 from ..stages import LocalStages
 from ..trace import Event, Message, StageMemory, Trace
 from .transport import ProcessTransport, Ranks, StageFailed, check_group
 
 
-def place(group, stages: int, devices) -> tuple[int, torch.device]:
-    """This process's stage (its rank in `group`) and its device: `devices[rank]` if given, else
-    cuda:LOCAL_RANK when CUDA is available, else cpu."""
+def place(group, stages: int, devices, module) -> tuple[int, torch.device]:
+    """This process's stage (its rank in `group`) and its device, by the policy of
+    engine.device.resolve_devices, except that "cuda" means this rank's GPU: cuda:LOCAL_RANK (mod
+    the GPUs visible)."""
     ranks = check_group(group, stages)
-    if devices is not None:
-        return ranks.rank, check_device(one_per_stage(devices, stages)[ranks.rank], ranks.rank)
-    if torch.cuda.is_available():
-        return ranks.rank, torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
-    return ranks.rank, torch.device("cpu")
+    if str(devices) == "cuda" and torch.cuda.is_available():
+        local = int(os.environ.get("LOCAL_RANK", ranks.rank)) % torch.cuda.device_count()
+        return ranks.rank, check_device(torch.device("cuda", local), ranks.rank)
+    return ranks.rank, resolve_devices(devices, stages, module)[ranks.rank]
 
 
 class RankRunner:
@@ -48,7 +48,7 @@ class RankRunner:
         self.transport = ProcessTransport(
             self.ranks, group, next(iter(local.devices.values())).device,
             upstream=(rank - 1) % stages if rank > 0 or wraps else None,
-            downstream=(rank + 1) % stages if rank < stages - 1 or wraps else None)
+            downstream=(rank + 1) % stages if rank < stages - 1 or wraps else None, wraps=wraps)
         self.calls = 0
         self.origin = 0.0  # the current call's time origin, a perf_counter reading on rank 0's clock
         self.prefix = f"rank {rank}, "
@@ -78,9 +78,8 @@ class RankRunner:
         """Run this rank's tasks of the call; return (the loss on every rank for a step; the output on
         the last stage's rank for a forward, None elsewhere) and the trace of every stage on rank 0."""
         rank = self.ranks.rank
-        t0 = time.perf_counter()  # after the decision arrived: waiting for it is not part of the call
+        t0 = self.local.start(call)  # after the decision arrived: waiting for it is not part of the call
         self.origin = t0 - self.transport.clock_offset
-        self.local.start(call, t0)
         marks = run_tasks(self.local, [(rank, task) for task in call.schedule[rank]], self.transport,
                           live(self.local, on_event), prefix=self.prefix)
         events = events_of(self.local, marks, on_event)

@@ -106,7 +106,8 @@ class Logged:
 class ProcessTransport:
     """This rank's connections to its neighbouring stages (see the module docstring)."""
 
-    def __init__(self, ranks: Ranks, group, device: torch.device, upstream: Optional[int], downstream: Optional[int]):
+    def __init__(self, ranks: Ranks, group, device: torch.device, upstream: Optional[int], downstream: Optional[int],
+                 wraps: bool = False):
         self.ranks, self.device, self.upstream = ranks, device, upstream
         members = dist.get_process_group_ranks(group)
         self.store = dist.PrefixStore(f"gpipe-lab/{next(_serials)}/{'-'.join(map(str, members))}/",
@@ -114,18 +115,18 @@ class ProcessTransport:
         self.store.set(f"clock/{ranks.rank}", _clock_id())
         clocks = [self.store.get(f"clock/{r}").decode() for r in range(ranks.size)]
         peers = sorted({p for p in (upstream, downstream) if p is not None and p != ranks.rank})
-        self.lane = self._open_lane(members, peers, one_host=len(set(clocks)) == 1)
+        self.lane = self._open_lane(members, peers, one_host=len(set(clocks)) == 1, wraps=wraps)
         remote = [r for r in range(1, ranks.size) if clocks[r] != clocks[0]]
         self.clock_offset = self.lane.clock_offset(remote) if remote else 0.0
         self.step = -1
         self.decision: Optional[Decision] = None
-        self._arrived: dict = {}                      # (step, kind, micro, chunk) -> (value, ready event)
+        self._arrived: dict = {}                      # (step, kind, micro, chunk) -> (value, NCCL works or None)
         self._decided = -1                            # the last call whose decision arrived
         self._failure: Optional[StageFailed] = None   # a lost connection: every later wait raises it
         self._log: list[tuple] = []                   # Logged fields, as tuples
         self._closed = False
 
-    def _open_lane(self, members: list[int], peers: list[int], one_host: bool):
+    def _open_lane(self, members: list[int], peers: list[int], one_host: bool, wraps: bool):
         """Shared memory when every rank is on this host and the stages on CPUs (unless GPIPE_LANE
         says gloo), else gloo (and NCCL between GPUs). Every rank decides alike: they read the same
         clocks from the Store."""
@@ -141,7 +142,7 @@ class ProcessTransport:
         if asked == "shm":
             raise ValueError("GPIPE_LANE=shm but the ranks are not all on this host, or the stages are on GPUs")
         return GlooLane(self.ranks.rank, members, peers, self.device,
-                        nccl=self.device.type == "cuda" and self.ranks.backend == "nccl")
+                        nccl=self.device.type == "cuda" and self.ranks.backend == "nccl", wraps=wraps)
 
     # --- one call ---------------------------------------------------------------------------
 
@@ -159,8 +160,17 @@ class ProcessTransport:
         return self.decision
 
     def receive(self, stage: int, key):
-        """What a neighbour sent for the current call under `key`: (value, ready event or None)."""
-        return self._get((self.step, *key))
+        """What a neighbour sent for the current call under `key`: (value, NCCL works or None). The
+        host waits here until NCCL has delivered it, looking for failures meanwhile: a GPU stream
+        that waited for a lost peer would stall this rank past every check."""
+        value, works = self._get((self.step, *key))
+        if works:
+            pause = 1e-5
+            while not all(work.is_completed() for work in works):
+                self.check_failures()
+                time.sleep(pause)
+                pause = min(2 * pause, POLL_SECONDS)
+        return value, works
 
     def send(self, source: int, destination: int, key, value: Value) -> None:
         """Send `value`, for the current call, to the rank that holds chunk `destination`, under `key`

@@ -77,7 +77,8 @@ class Header:
 
 class Arrival(NamedTuple):
     """One message as a lane handed it to the stage thread: who sent it, its header, its tensors
-    (on this stage's device), a CUDA event to wait on or None, and the stage thread's reading time."""
+    (on this stage's device), what to wait for before using them (the NCCL receives' works, or
+    None), and the stage thread's reading time."""
 
     peer: int
     header: Header

@@ -1,0 +1,159 @@
+"""Where stages run, and the CUDA and NCCL logic that can be checked without a GPU: the device policy
+(the same for every K, CPU unless asked), control messages kept on the host, the CUDA-to-host hop,
+the order of receive and start mark, serial runs settling each task, NCCL channels that each carry
+traffic one way, the GPU memory budget's arithmetic and the choices the lab makes from the host."""
+import pytest
+import torch
+from torch import nn
+
+from conftest import mlp
+from engine import GPipe
+from engine import schedule as schedules
+from engine.device import StageDevice, home_device, resolve_devices
+from engine.distributed.gloo_lane import channel, lands_on, nccl_channels
+from lab import fit, host, speedup
+from lab.config import RunConfig, visible_gpus
+from lab.train import backend_for
+
+LOSS = nn.CrossEntropyLoss()
+CPU = torch.device("cpu")
+
+
+@pytest.fixture
+def pretend_gpus(monkeypatch):
+    """This host as torch would see it with four GPUs (nothing may actually use them)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+
+
+@pytest.mark.parametrize("stages", [1, 2, 3])
+def test_a_model_built_on_the_cpu_stays_there_for_every_k_even_with_gpus(pretend_gpus, batch, stages):
+    model = mlp()
+    pipe = GPipe(model, stages, chunks=2)
+    assert pipe.devices == [CPU] * stages
+    assert all(p.device == CPU for p in model.parameters())
+
+
+def test_device_names_place_every_stage(pretend_gpus):
+    assert resolve_devices("cpu", 3) == [CPU] * 3
+    assert resolve_devices("cuda", 6) == [torch.device("cuda", k % 4) for k in range(6)]   # spread, then shared
+    assert resolve_devices("cuda:2", 2) == [torch.device("cuda", 2)] * 2
+    assert resolve_devices(["cpu", "cuda:1"], 2) == [CPU, torch.device("cuda", 1)]
+
+
+def test_the_models_device_is_its_home_and_a_split_model_must_say_where():
+    assert home_device(mlp()) == CPU
+    assert home_device(nn.Sequential(nn.ReLU())) == CPU            # nothing to go by: the CPU
+    split = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2).to("meta"))
+    with pytest.raises(ValueError, match=r"several devices \(cpu, meta\).*devices="):
+        home_device(split)
+    with pytest.raises(ValueError, match="devices has 1 entries but there are 2 stages"):
+        resolve_devices(["cpu"], 2)
+
+
+def test_control_messages_stay_on_the_host_and_payloads_go_to_the_stage():
+    gpu = torch.device("cuda", 1)
+    assert lands_on("act", gpu) == gpu and lands_on("grad", gpu) == gpu
+    assert all(lands_on(kind, gpu) == CPU for kind in ("end", "done", "bye"))
+
+
+def test_a_hop_from_a_gpu_stage_to_the_host_needs_no_cuda_event(monkeypatch):
+    """A copy to the host is complete when .to() returns; asking CUDA for a stream of the CPU crashed."""
+    sender = StageDevice(CPU, threads=1)
+    sender.is_cuda = True   # the sender's side as on a GPU stage; the destination is the host
+
+    def no_cuda(*args, **kwargs):
+        raise AssertionError("a hop to the host must not touch CUDA streams or events")
+    monkeypatch.setattr(torch.cuda, "Event", no_cuda)
+    monkeypatch.setattr(torch.cuda, "current_stream", no_cuda)
+    value = (torch.ones(2), None)
+    moved, ready = sender.send(value, CPU)
+    assert ready is None and torch.equal(moved[0], value[0]) and moved[1] is None
+
+
+@pytest.mark.parametrize("serial", [False, True])
+def test_a_task_is_marked_started_after_its_input_is_received_and_serial_runs_settle_each(monkeypatch, batch,
+                                                                                          serial):
+    calls = []
+    for name in ("receive", "mark", "settle"):
+        original = getattr(StageDevice, name)
+        monkeypatch.setattr(StageDevice, name, lambda self, *a, _o=original, _n=name: (calls.append(_n), _o(self, *a))[1])
+    x, y = batch
+    pipe = GPipe(mlp(), 2, chunks=3, threads_per_stage=1)
+    pipe.step(x, y, LOSS, serial=serial)
+    tasks = sum(len(tasks) for tasks in pipe.task_lists(3))
+    received = [i for i, name in enumerate(calls) if name == "receive"]
+    assert len(received) == 3 + 3  # stage 1's forwards and stage 0's backwards
+    if serial:  # one thread: each receive is followed at once by its task's start mark
+        assert all(calls[i + 1] == "mark" for i in received)
+    assert calls.count("settle") == (tasks if serial else 0)
+
+
+@pytest.mark.parametrize("name", list(schedules.SCHEDULES))
+@pytest.mark.parametrize("stages", [2, 3, 4])
+def test_every_nccl_channel_carries_traffic_one_way(name, stages):
+    """NCCL may hold a send until the peer posts its receive: a communicator with traffic both ways
+    between two ranks can deadlock. Every channel a schedule uses must go one way in rank order."""
+    virtual = 2 if name == "interleaved" else 1
+    chunks = stages * virtual
+    used: dict = {}
+    for tasks in schedules.SCHEDULES[name](stages, 2 * stages, "never", virtual):
+        for task in tasks:
+            target = task.chunk + 1 if task.op == "F" else task.chunk - 1 if task.op == "B" else None
+            if target is None or not 0 <= target < chunks:
+                continue
+            source, destination = schedules.owner(task.chunk, stages), schedules.owner(target, stages)
+            if source != destination:
+                kind = "act" if task.op == "F" else "grad"
+                used.setdefault(channel(kind, source, destination), set()).add(destination > source)
+    assert set(used) <= set(nccl_channels(wraps=virtual > 1))
+    assert all(len(directions) == 1 for directions in used.values()), used
+
+
+def test_the_gpu_memory_budget_counts_what_the_step_allocated():
+    gib = 2 ** 30
+    assert fit.cuda_cap_fraction(gib, baseline=gib, total=80 * gib) == pytest.approx((1 + 1.25) / 80)
+    assert fit.cuda_cap_fraction(80 * gib, baseline=0, total=80 * gib) == 1.0
+    assert fit.step_peak([5 * gib, 3 * gib], [4 * gib, 0]) == 3 * gib   # GPU 1 allocated most for the step
+    base, budget, most = fit.table1_setting("cuda")
+    assert budget >= gib and base.width >= 256 and most >= 1024
+    assert fit.table1_setting("cuda", quick=True)[1] >= 256 * 2 ** 20   # far above any workspace
+    assert fit.table1_setting("cpu")[1] == 24 * 2 ** 20
+
+
+def test_speedup_tables_are_sized_for_the_device():
+    cpu, gpu = speedup.table_setting("cpu"), speedup.table_setting("cuda")
+    assert cpu.width == 128 and gpu.width == 1024 and gpu.device == "cuda" and gpu.layers == cpu.layers == 8
+
+
+def test_train_picks_nccl_only_when_each_rank_has_a_gpu_of_its_own():
+    assert backend_for("cuda", gpus=2, local_ranks=2) == "nccl"
+    assert backend_for("cuda", gpus=1, local_ranks=2) == "gloo"   # NCCL refuses two ranks on one GPU
+    assert backend_for("cpu", gpus=8, local_ranks=2) == "gloo"
+
+
+def test_gpus_are_counted_without_torch_as_the_app_needs(tmp_path, monkeypatch):
+    for name in ("0000:01:00.0", "0000:02:00.0", "0000:03:00.0"):
+        (tmp_path / name).mkdir()
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    assert visible_gpus(str(tmp_path)) == 3
+    assert visible_gpus(str(tmp_path / "absent")) == 0
+    for visible, count in (("1", 1), ("0,2", 2), ("", 0), ("-1", 0), ("0,-1,1", 1), ("0,1,2,3,4", 3)):
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
+        assert visible_gpus(str(tmp_path)) == count, visible
+
+
+def test_the_notebooks_device_is_the_cpu_unless_asked(monkeypatch):
+    monkeypatch.delenv(host.DEVICE_VARIABLE, raising=False)
+    assert host.lab_device() == "cpu"
+    monkeypatch.setenv(host.DEVICE_VARIABLE, "auto")
+    assert host.lab_device() == ("cuda" if torch.cuda.is_available() else "cpu")
+    monkeypatch.setenv(host.DEVICE_VARIABLE, "tpu")
+    with pytest.raises(ValueError, match="GPIPE_LAB_DEVICE='tpu': expected cpu, cuda or auto"):
+        host.lab_device()
+    assert "CPU" in host.device_note("cpu")
+
+
+def test_the_lab_runs_where_its_configuration_says(pretend_gpus):
+    from lab.experiments import devices_for
+    assert devices_for(RunConfig(stages=3)) == ["cpu"] * 3
