@@ -13,7 +13,7 @@ import streamlit as st
 
 from lab import charts, replay, theory  # these and lab.config load without torch: see open_page
 from lab.config import (APP_DEFAULT, BALANCES, MEASURE_ROUNDS, MEASURE_WARMUP, MODEL_CARDS, SCHEDULE_ORDER,
-                        RunConfig, check, micro_batch_count)
+                        RunConfig, check, micro_batch_count, visible_gpus)
 
 RECOMPUTE = {"on, except the last micro-batch": "except_last", "on, every micro-batch": "always", "off": "never"}
 TRANSPORTS = {"processes": "one process per stage (torch.distributed, gloo)", "threads": "threads in this process"}
@@ -83,15 +83,24 @@ def controls() -> RunConfig:
     virtual = side.slider("chunks per stage v", 2, 4, 2, key="virtual") if schedule == "interleaved" else 1
     balance = side.radio("balance", BALANCES, key="balance", format_func={"uniform": "equal layer counts", "time": "by measured time",
                                                            "size": "by memory"}.get)
-    transport = side.radio("stages run as", list(TRANSPORTS), index=list(TRANSPORTS).index(APP_DEFAULT.transport),
-                           key="transport", format_func=TRANSPORTS.get,
-                           help="Threads share one Python interpreter, so on small models their work barely "
-                                "overlaps; processes (one per stage, the way torchrun runs them on many machines) "
-                                "overlap fully but pay for every message between stages.")
+    gpus = visible_gpus()
+    device = side.radio("stages run on", ("cpu", "cuda"), key="device", horizontal=True,
+                        format_func={"cpu": "CPU cores", "cuda": f"GPUs ({gpus} here)"}.get) if gpus else "cpu"
+    if device == "cuda":
+        transport = "threads"
+        side.caption("On GPUs every stage is a thread of this server with a CUDA stream of its own"
+                     + (f"; {stages} stages share the {gpus} GPU(s) here, so measured tasks wait for each other "
+                        f"and the ideal replay shows a GPU per stage." if stages > gpus else "."))
+    else:
+        transport = side.radio("stages run as", list(TRANSPORTS), index=list(TRANSPORTS).index(APP_DEFAULT.transport),
+                               key="transport", format_func=TRANSPORTS.get,
+                               help="Threads share one Python interpreter, so on small models their work barely "
+                                    "overlaps; processes (one per stage, the way torchrun runs them on many "
+                                    "machines) overlap fully but pay for every message between stages.")
     seed = int(side.number_input("seed", 0, 10_000, 0, key="seed"))
     return RunConfig(model=model, blocks=blocks, width=width, batch=batch, stages=stages, micro_batches=micro,
                      checkpoint=recompute, balance=balance, seed=seed, transport=transport, schedule=schedule,
-                     virtual_stages=virtual)
+                     virtual_stages=virtual, device=device)
 
 
 @st.cache_resource

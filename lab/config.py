@@ -6,6 +6,7 @@ controls and the theory diagram from this module (and lab.replay, lab.charts) wh
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, replace
 
 from engine.schedule import CHECKPOINT_MODES, SCHEDULES, check_layout
@@ -123,6 +124,25 @@ def check(config: RunConfig) -> None:
                          "for stages on GPUs use torchrun with NCCL (see the README)")
     if config.device == "cuda" and not _cuda_available():
         raise ValueError("device='cuda' but this host has no CUDA GPU (torch.cuda.is_available() is False)")
+
+
+def visible_gpus(driver: str = "/proc/driver/nvidia/gpus") -> int:
+    """NVIDIA GPUs this process may use, read without torch (the app asks before torch loads): the
+    GPUs the driver lists, limited by CUDA_VISIBLE_DEVICES when it is set."""
+    try:
+        present = len(os.listdir(driver))
+    except OSError:
+        return 0
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is None:
+        return present
+    wanted = [entry for entry in visible.split(",") if entry.strip()]
+    listed = []
+    for entry in wanted:  # CUDA stops at the first entry that is not a device
+        if entry.strip().lstrip("-").isdigit() and int(entry) < 0:
+            break
+        listed.append(entry)
+    return min(present, len(listed))
 
 
 def _cuda_available() -> bool:

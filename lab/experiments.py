@@ -18,7 +18,7 @@ from torch import nn
 
 from engine import GPipe, balance_by_size, balance_by_time
 from engine.balance import layer_sizes, layer_times
-from engine.device import cpu_cores, keep_freed_cpu_memory
+from engine.device import cpu_cores, keep_freed_cpu_memory, spread
 from engine.microbatch import tensors_of
 from engine.partition import even_balance
 from engine.trace import Event, Message, Trace
@@ -116,11 +116,8 @@ def parallel_devices(config: RunConfig) -> int:
 
 
 def devices_for(config: RunConfig) -> list[str]:
-    """One device per stage: all "cpu", or round-robin over the GPUs."""
-    if config.device == "cpu":
-        return ["cpu"] * config.stages
-    count = torch.cuda.device_count()
-    return [f"cuda:{k % count}" for k in range(config.stages)]
+    """One device per stage, named explicitly: all "cpu", or round-robin over the GPUs."""
+    return [str(device) for device in spread(config.device, config.stages)]
 
 
 def build(config: RunConfig) -> tuple[nn.Sequential, tuple, Callable]:

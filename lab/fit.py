@@ -2,9 +2,10 @@
 
 Every candidate size is a real training step (pipelined forward and backward, then an Adam
 step), never an extrapolation. On CPU a stage's footprint is what the engine measured for it:
-parameters + gradients + Adam's two moments + the activation peak from its ledger. On CUDA the
-budget is a real cap (torch.cuda.set_per_process_memory_fraction) and "does not fit" is a real
-out-of-memory error.
+parameters + gradients + Adam's two moments + the activation peak from its ledger. With every
+stage on a GPU of its own the budget is a real cap (torch.cuda.set_per_process_memory_fraction,
+lifted after each probe), "does not fit" is a real out-of-memory error, and a step fits if no GPU
+allocated more than the budget for it; stages that share a GPU are counted as on CPU.
 """
 from __future__ import annotations
 
@@ -18,6 +19,20 @@ from engine.partition import resolve_balance
 
 from . import models, theory
 from .experiments import RunConfig, build, devices_for, predicted_activation_bytes
+
+
+def table1_setting(device: str = "cpu", quick: bool = False, seed: int = 0,
+                   budget: Optional[int] = None) -> tuple[RunConfig, int, int]:
+    """(model template, budget in bytes per device, most blocks searched) for the Table 1 search:
+    MiB on a CPU, GiB on GPUs, where a budget must dwarf what a GPU allocates for any step (cuBLAS's
+    workspace alone is several MiB). `quick` shrinks it for smoke runs."""
+    if device == "cuda":
+        base = RunConfig(model="transformer", width=128 if quick else 256, batch=16 if quick else 32,
+                         micro_batches=4, seed=seed, device=device)
+        return base, budget or (256 if quick else 1024) * 2 ** 20, 256 if quick else 1024
+    base = RunConfig(model="transformer", width=32 if quick else 64, batch=8 if quick else 16,
+                     micro_batches=4, seed=seed, device=device)
+    return base, budget or (3 if quick else 24) * 2 ** 20, 160 if quick else 512
 
 
 @dataclass(frozen=True)
@@ -45,8 +60,8 @@ class Largest:
 
 
 def breakdown(config: RunConfig) -> list[dict]:
-    """Bytes each stage needs for one real training step on CPU: parameters, gradients, Adam's
-    two moments and the activation peak measured by the engine's ledger."""
+    """Bytes each stage needs for one real training step: parameters, gradients, Adam's two moments
+    and the activation peak measured by the engine's ledger (on whatever device `config` names)."""
     model, (inputs, targets), loss_fn = build(config)
     pipe = GPipe(model, config.stages, devices=devices_for(config), chunks=config.micro_batches,
                  checkpoint=config.checkpoint, seed=config.seed, threads_per_stage=config.threads_per_stage)
@@ -67,21 +82,39 @@ def breakdown(config: RunConfig) -> list[dict]:
 
 
 def footprint(config: RunConfig) -> tuple[int, int]:
-    """(parameter count, bytes the most loaded stage needs) for one real training step on CPU."""
+    """(parameter count, bytes the most loaded stage needs) for one real training step, counted."""
     stages = breakdown(config)
     totals = [s["parameters"] + s["gradients"] + s["optimizer state"] + s["activations"] for s in stages]
     return sum(s["parameter count"] for s in stages), max(totals)
 
 
+CUDA_HEADROOM = 1.25  # the cap leaves the caching allocator a quarter more than the budget for fragmentation
+
+
+def cuda_cap_fraction(budget: int, baseline: int, total: int) -> float:
+    """The memory fraction that caps one GPU for a probe: what was allocated before it, plus the
+    budget with headroom (the cap counts reserved segments, the verdict only allocated bytes)."""
+    return min(1.0, (baseline + CUDA_HEADROOM * budget) / total)
+
+
+def step_peak(peaks: list[int], baselines: list[int]) -> int:
+    """The most any one GPU allocated for the step, above what it held before."""
+    return max(peak - base for peak, base in zip(peaks, baselines))
+
+
 def footprint_cuda(config: RunConfig, budget: int) -> tuple[int, int, bool]:
-    """(parameter count, largest device peak, fitted) for one training step under a real cap."""
-    count = torch.cuda.device_count()
-    for device in range(count):
-        torch.cuda.empty_cache()
-        torch.cuda.set_per_process_memory_fraction(min(1.0, budget / torch.cuda.get_device_properties(device).total_memory),
-                                                   device)
+    """(parameter count, largest per-GPU peak of the step, fitted) for one training step with every
+    stage on a GPU of its own, under a real cap: "does not fit" is a real out-of-memory error, and
+    a step that ran fits if no GPU allocated more than `budget` for it. The cap is lifted after."""
+    gpus = range(torch.cuda.device_count())
     params, pipe = 0, None
     try:
+        torch.cuda.empty_cache()
+        baselines = [torch.cuda.memory_allocated(d) for d in gpus]
+        for d in gpus:
+            torch.cuda.reset_peak_memory_stats(d)
+            torch.cuda.set_per_process_memory_fraction(
+                cuda_cap_fraction(budget, baselines[d], torch.cuda.get_device_properties(d).total_memory), d)
         model, (inputs, targets), loss_fn = build(config)
         params = sum(p.numel() for p in model.parameters())
         pipe = GPipe(model, config.stages, devices=devices_for(config), chunks=config.micro_batches,
@@ -90,7 +123,7 @@ def footprint_cuda(config: RunConfig, budget: int) -> tuple[int, int, bool]:
         pipe.step(inputs, targets, loss_fn)
         optimizer.step()
         torch.cuda.synchronize()
-        peak = max(torch.cuda.max_memory_allocated(d) for d in range(count))
+        peak = step_peak([torch.cuda.max_memory_allocated(d) for d in gpus], baselines)
         return params, peak, peak <= budget
     except torch.cuda.OutOfMemoryError:
         return params, budget, False
@@ -98,14 +131,21 @@ def footprint_cuda(config: RunConfig, budget: int) -> tuple[int, int, bool]:
         if pipe is not None:
             pipe.close()
         del pipe
-        for device in range(count):
+        for d in gpus:
+            torch.cuda.set_per_process_memory_fraction(1.0, d)
             torch.cuda.empty_cache()
-            torch.cuda.reset_peak_memory_stats(device)
+
+
+def shares_gpus(config: RunConfig) -> bool:
+    """Whether some stages of `config` share a GPU, so the allocator cannot tell their memory apart."""
+    return config.device == "cuda" and config.stages > torch.cuda.device_count()
 
 
 def probe(config: RunConfig, budget: int) -> Probe:
-    """Run one real step of `config` and say whether its most loaded device stays within `budget`."""
-    if config.device == "cuda":
+    """Run one real step of `config` and say whether its most loaded stage stays within `budget`:
+    on GPUs of their own, the allocator's real peaks under a real cap; on the CPU, or on GPUs that
+    stages share, the engine's count of each stage's bytes."""
+    if config.device == "cuda" and not shares_gpus(config):
         params, peak, fits = footprint_cuda(config, budget)
         return Probe(config.blocks, params, peak, fits)
     params, peak = footprint(config)

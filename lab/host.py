@@ -1,6 +1,8 @@
-"""A short description of the machine, printed beside every measurement so results can be compared."""
+"""A short description of the machine, printed beside every measurement so results can be compared,
+and the device the notebooks run on."""
 from __future__ import annotations
 
+import os
 import platform
 
 import torch
@@ -37,3 +39,31 @@ def summary(info: dict) -> str:
     """One line for headers: 'AMD EPYC, 2 cores, no GPU, torch 2.13.0+cpu'."""
     gpu = ", ".join(info["gpus"]) if info["gpus"] else "no GPU"
     return f"{info['cpu']}, {info['cores']} cores, {gpu}, torch {info['torch']}"
+
+
+DEVICE_VARIABLE = "GPIPE_LAB_DEVICE"
+
+
+def lab_device() -> str:
+    """Where the notebooks' stages run: GPIPE_LAB_DEVICE ("cpu", "cuda", or "auto" for a GPU when
+    there is one); the CPU unless asked, so that results read the same on every host."""
+    asked = os.environ.get(DEVICE_VARIABLE, "cpu")
+    if asked not in ("cpu", "cuda", "auto"):
+        raise ValueError(f"{DEVICE_VARIABLE}={asked!r}: expected cpu, cuda or auto")
+    if asked == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"{DEVICE_VARIABLE}=cuda, but this host has no CUDA GPU (torch.cuda.is_available() is False)")
+    if asked == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return asked
+
+
+def device_note(device: str) -> str:
+    """One sentence saying where a notebook's stages run and how to change it."""
+    found = gpus()
+    if device == "cuda":
+        shared = " (stages beyond that share them; cells that need a device per stage are replayed)"
+        return f"Stages run on **{len(found)} GPU(s)**: {', '.join(found)}{shared}. Set {DEVICE_VARIABLE}=cpu for the CPU."
+    if found:
+        return (f"Stages run on the **CPU**, {cpu_cores()} cores. This host has {len(found)} GPU(s) ({found[0]}): "
+                f"set {DEVICE_VARIABLE}=cuda before starting Jupyter to use them.")
+    return f"Stages run on the **CPU**, {cpu_cores()} cores (no GPU here)."

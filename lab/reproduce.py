@@ -76,7 +76,8 @@ def parser() -> argparse.ArgumentParser:
             command.add_argument("--virtual", type=int, default=2, help="chunks per stage of interleaved (default 2)")
         if name in ("memory", "all"):
             command.add_argument("--budget", type=int, default=None,
-                                 help="bytes per device (default 24 MiB, 3 MiB with --quick)")
+                                 help="bytes per device (default 24 MiB, 3 MiB with --quick; "
+                                      "on cuda 1 GiB, 256 MiB with --quick)")
     return main
 
 
@@ -123,14 +124,9 @@ def model_line(base: RunConfig) -> str:
 
 
 def speedup_config(args) -> RunConfig:
-    """The model each speedup cell trains: 8 layers, so K runs up to 8."""
-    quick = args.quick
-    transport = getattr(args, "transport", "threads")
-    if args.model == "cnn":
-        return RunConfig(model="cnn", blocks=6, width=8 if quick else 32, batch=32 if quick else 64,
-                         checkpoint=speedup.TABLE_CHECKPOINT, seed=args.seed, device=args.device, transport=transport)
-    return RunConfig(model="transformer", blocks=6, width=32 if quick else 128, batch=32 if quick else 64,
-                     checkpoint=speedup.TABLE_CHECKPOINT, seed=args.seed, device=args.device, transport=transport)
+    """The model each speedup cell trains (speedup.table_setting): 8 layers, so K runs up to 8."""
+    return speedup.table_setting(args.device, args.quick, model=args.model, seed=args.seed,
+                                 transport=getattr(args, "transport", "threads"))
 
 
 def transports_config(args) -> RunConfig:
@@ -141,11 +137,8 @@ def transports_config(args) -> RunConfig:
 
 
 def memory_config(args) -> tuple[RunConfig, int, int]:
-    """(model template, budget in bytes, largest block count searched)."""
-    budget = args.budget or ((3 if args.quick else 24) * 2 ** 20)
-    base = RunConfig(model="transformer", width=32 if args.quick else 64, batch=8 if args.quick else 16,
-                     micro_batches=4, seed=args.seed, device=args.device)
-    return base, budget, 160 if args.quick else 512
+    """(model template, budget in bytes, largest block count searched): fit.table1_setting."""
+    return fit.table1_setting(args.device, args.quick, seed=args.seed, budget=args.budget)
 
 
 def peers_workload(args) -> tuple[peers.Workload, list[int], int]:
@@ -296,8 +289,10 @@ def run_command(name: str, args, rows_of: Callable, out: Path) -> list[dict]:
     lines = header(args, name, DETAILS[name])
     if name == "memory":
         base, budget, _ = memory_config(args)
-        how = "real cap and out-of-memory" if args.device == "cuda" else \
-            "CPU: the budget is applied to each stage's measured parameters + gradients + Adam state + activations"
+        counted = "the budget is applied to each stage's measured parameters + gradients + Adam state + activations"
+        how = f"CPU: {counted}" if args.device != "cuda" else (
+            f"GPUs: {torch.cuda.device_count()}; K up to that many stages on GPUs of their own: a real cap, the "
+            f"allocator's peak per GPU and real out-of-memory errors; more stages share GPUs: {counted}")
         lines.append(f"# budget {budget} bytes per device ({budget / 2 ** 20:.1f} MiB); {how}; "
                      f"width {base.width}, batch {base.batch}, M {base.micro_batches}")
     if name == "speedup":

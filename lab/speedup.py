@@ -22,6 +22,20 @@ from .experiments import MEASURE_WARMUP, RunConfig, RunRecord, parallel_devices,
 TABLE_CHECKPOINT = "always"
 
 
+def table_setting(device: str = "cpu", quick: bool = False, model: str = "transformer", seed: int = 0,
+                  transport: str = "threads") -> RunConfig:
+    """The model every speedup table trains (8 layers, so K runs up to 8), sized for the device:
+    small enough for a CPU core per stage, wide enough on a GPU that a task is more than kernel
+    launches. `quick` shrinks it for smoke runs."""
+    gpu = device == "cuda"
+    if model == "cnn":
+        width, batch = (32 if quick else 64, 64 if quick else 128) if gpu else (8 if quick else 32, 32 if quick else 64)
+    else:
+        width, batch = (256 if quick else 1024, 32 if quick else 128) if gpu else (32 if quick else 128, 32 if quick else 64)
+    return RunConfig(model=model, blocks=6, width=width, batch=batch, checkpoint=TABLE_CHECKPOINT, seed=seed,
+                     device=device, transport=transport)
+
+
 @dataclass(frozen=True)
 class Cell:
     stages: int

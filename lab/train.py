@@ -5,14 +5,17 @@
     torchrun --nnodes 2 --nproc-per-node 1 --rdzv-backend c10d \\
              --rdzv-endpoint HOST:29500 -m lab.train --steps 200     # one stage per machine
 
-Under torchrun every rank runs this same script: it joins the group (gloo on CPU, NCCL on GPUs),
-builds the same model from the same seed, keeps its own stage, and passes its inputs (first rank)
-or targets (last rank) to `pipe.step`; rank 0 prints.
+Under torchrun every rank runs this same script: it joins the group, builds the same model from the
+same seed, keeps its own stage, and passes its inputs (first rank) or targets (last rank) to
+`pipe.step`; rank 0 prints. Stages run on the CPU unless `--device cuda` asks for GPUs: then each
+rank takes its own GPU (cuda:LOCAL_RANK) and the ranks talk over NCCL, or over gloo through host
+memory when a host has fewer GPUs than ranks (NCCL refuses two ranks on one GPU).
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from dataclasses import asdict
@@ -39,10 +42,20 @@ def parser() -> argparse.ArgumentParser:
     options.add_argument("--schedule", default="gpipe", choices=list(SCHEDULES))
     options.add_argument("--lr", type=float, default=3e-3)
     options.add_argument("--seed", type=int, default=0)
+    options.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
+                         help="where the stages run: cpu (default), or cuda (threads: spread over the GPUs; "
+                              "under torchrun: each rank on its own GPU)")
     options.add_argument("--log-every", type=int, default=10)
     options.add_argument("--trace-out", default=None, help="write the last step's trace (every stage's tasks "
                          "and messages) as JSON to this file, from rank 0")
     return options
+
+
+def backend_for(device: str, gpus: int, local_ranks: int) -> str:
+    """The process group's backend: NCCL when every rank on this host has a GPU of its own, else
+    gloo (CPU stages, or ranks sharing GPUs, which NCCL refuses; activations then cross through
+    host memory)."""
+    return "nccl" if device == "cuda" and gpus >= local_ranks else "gloo"
 
 
 def launched_by_torchrun() -> bool:
@@ -56,10 +69,18 @@ def main(argv=None) -> int:
             print(f"python -m lab.train: error: --{name.replace('_', '-')} {getattr(args, name)}: expected >= 1",
                   file=sys.stderr)
             return 2
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("python -m lab.train: error: --device cuda, but this host has no CUDA GPU "
+              "(torch.cuda.is_available() is False)", file=sys.stderr)
+        return 2
     zoo = models.get("transformer")
     distributed = launched_by_torchrun()
     if distributed:
-        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+        local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        gpus = torch.cuda.device_count() if args.device == "cuda" else 0
+        if gpus:
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")) % gpus)
+        dist.init_process_group(backend_for(args.device, gpus, local_ranks))
         rank, stages = dist.get_rank(), dist.get_world_size()
         transport = f"processes: {stages} ranks over torch.distributed ({dist.get_backend()})"
     else:
@@ -72,13 +93,14 @@ def main(argv=None) -> int:
         return 2
     model = zoo.build(args.blocks, args.width, args.seed)
     pipe = GPipe(model, stages, chunks=args.micro_batches, checkpoint=args.checkpoint, schedule=args.schedule,
-                 seed=args.seed, threads_per_stage=1, group=dist.group.WORLD if distributed else None)
+                 seed=args.seed, threads_per_stage=1, group=dist.group.WORLD if distributed else None,
+                 devices=args.device)
     optimizer = torch.optim.Adam(pipe.parameters(), lr=args.lr)
     first, last = rank == 0, rank == stages - 1 or not distributed
     if first:
         print(f"# lab.train: char Transformer, {zoo.layer_count(args.blocks)} layers, width {args.width}, "
               f"batch {args.batch}, K={stages}, M={args.micro_batches}, {args.schedule}, checkpoint {args.checkpoint}; "
-              f"{transport}", flush=True)
+              f"{transport}; stages on {pipe.devices[0].type}", flush=True)
     start, window, losses = time.perf_counter(), time.perf_counter(), []
     for step in range(1, args.steps + 1):
         inputs, targets = zoo.batch(args.batch, args.width, args.seed + step)

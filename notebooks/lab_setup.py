@@ -2,6 +2,9 @@
 this project on the path (the notebooks live in its notebooks/ folder) and brings
 
 - QUICK: True when GPIPE_LAB_QUICK=1 (CI runs every notebook that way, at small sizes);
+- DEVICE: where the measured runs of notebooks 04, 05 and 09 put their stages: "cpu" unless
+  GPIPE_LAB_DEVICE says "cuda" (or "auto"); device_note(DEVICE) says which, and how to change it
+  (the other lessons' models are tiny and stay on the CPU);
 - display, Markdown, widgets, pd: what the cells use to show things;
 - progress(items, about): a progress bar for heavy cells, saying roughly how long they take;
 - ticker(about, total): the same bar for lab functions that report progress through a callback.
@@ -20,10 +23,13 @@ ROOT = next(p for p in [pathlib.Path.cwd(), *pathlib.Path.cwd().parents] if (p /
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from lab.host import device_note, lab_device  # noqa: E402 (needs the path above)
+
 QUICK = os.environ.get("GPIPE_LAB_QUICK") == "1"  # tiny sizes for CI; a learner gets the real ones
+DEVICE = lab_device()
 Item = TypeVar("Item")
 
-__all__ = ["QUICK", "display", "Markdown", "widgets", "pd", "progress", "ticker"]
+__all__ = ["QUICK", "DEVICE", "device_note", "display", "Markdown", "widgets", "pd", "progress", "ticker"]
 
 
 def progress(items: Iterable[Item], about: str, total: int = None) -> Iterator[Item]:

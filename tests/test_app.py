@@ -274,3 +274,17 @@ def test_pages_are_right_on_hosts_of_other_sizes(app, monkeypatch, devices):
     table = app.dataframe[-1].value
     for row in table.itertuples():
         assert row.how == ("ideal replay" if row.K > devices else "measured (threads)"), (devices, row.K, row.how)
+
+
+def test_where_stages_run_is_offered_only_on_a_host_with_gpus(app, monkeypatch):
+    """The app counts GPUs without torch. Without any it offers no choice and runs on the CPU; with
+    some it offers CPU cores (its default, so the page reads the same as on a CPU host) or GPUs."""
+    app.run()
+    small(app)
+    assert [r.key for r in app.sidebar.radio if r.key == "device"] == []
+    import lab.config
+    monkeypatch.setattr(lab.config, "visible_gpus", lambda: 2)
+    small(app)
+    choice = app.radio(key="device")
+    assert choice.options == ["CPU cores", "GPUs (2 here)"] and choice.value == "cpu"
+    assert not app.exception and not app.error and app.radio(key="transport").value == "threads"
