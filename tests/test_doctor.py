@@ -1,0 +1,51 @@
+"""python -m lab.doctor as a user runs it first on a new host: a table of checks and an exit code."""
+import dataclasses
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from lab import doctor
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_the_doctor_passes_every_row_on_this_host_within_a_minute():
+    done = subprocess.run([sys.executable, "-m", "lab.doctor"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    print(done.stdout)
+    assert done.returncode == 0, done.stdout + done.stderr
+    rows = [line for line in done.stdout.splitlines() if line[31:36].strip() in ("pass", "FAIL")]
+    assert len(rows) >= 6 and all(line[31:35] == "pass" for line in rows), done.stdout
+    for words in ("torch", "cores", "/dev/shm", "processes (shared memory)", "processes (gloo lane)",
+                  "gloo on loopback", "every schedule, CPU", "trace order, CPU"):
+        assert words in done.stdout, words
+    seconds = float(done.stdout.strip().splitlines()[-1].split(" in ")[1].split(" s")[0])
+    assert seconds < 60, f"the CPU checks took {seconds} s"
+
+
+def test_a_failing_check_is_a_fail_row_and_exit_code_one(monkeypatch, capsys):
+    def broken() -> str:
+        raise AssertionError("K=2 differs from K=1 by 1e-3")
+    monkeypatch.setattr(doctor, "plan", lambda cli: ([("fine", lambda: "ok"), ("broken", broken)], ["left out: x"]))
+    assert doctor.main([]) == 1
+    out = capsys.readouterr().out
+    assert "FAIL" in out and "AssertionError: K=2 differs from K=1 by 1e-3" in out and "# left out: x" in out
+    assert "1 of 2 checks passed" in out and "failed: broken" in out
+
+
+def test_trace_order_finds_a_task_that_started_before_its_input_was_ready():
+    _, trace = doctor.gradients("cpu", 2)
+    assert doctor.out_of_order(trace) == []
+    forward = next(e for e in trace.events if e.stage == 1 and e.op == "F")
+    producer = next(e for e in trace.events if e.stage == 0 and e.op == "F" and e.micro == forward.micro)
+    early = dataclasses.replace(forward, start=producer.end - 1e-3)
+    shifted = dataclasses.replace(trace, events=[early if e is forward else e for e in trace.events])
+    assert doctor.out_of_order(shifted) == [f"F{forward.micro} of chunk 1"]
+
+
+@pytest.mark.skipif(not doctor.torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_the_gpu_rows_pass():
+    checks, _ = doctor.plan(cli=False)
+    rows = doctor.run_checks(checks)
+    assert all(row.passed for row in rows), [doctor.format_row(row) for row in rows if not row.passed]
