@@ -43,6 +43,7 @@ class Call:
     inputs: Optional[list] = None    # micro-batch inputs, where the first chunk runs
     targets: Optional[list] = None   # micro-batch targets, where the last chunk runs (steps only)
     loss_fn: Optional[Callable] = None
+    micro_offset: int = 0            # this replica's first micro-batch in the global numbering (random streams)
 
     @property
     def training(self) -> bool:

@@ -39,14 +39,25 @@ class GPipe(nn.Module):
     group of K ranks) rank i runs stage i in its own process: every rank builds the same model and
     calls the same methods; each keeps only its stage's layers (the others' parameters are freed),
     and `pipe.parameters()` are its stage's; there "cuda" means this rank's GPU, cuda:LOCAL_RANK.
+
+    With `data_parallel=` as well (the group of the ranks that run this same stage in the other
+    pipelines, such as a DeviceMesh's "dp" group, `group` being its "pp" group), D pipelines train as
+    replicas: each first stage reads its own shard of the global batch, and after a step every
+    stage's gradients are those of the mean loss over the whole global batch (an all-reduce with its
+    replicas, started as soon as the stage's last task has run), and `step` returns that mean loss.
+    Replica d numbers its micro-batches from d*M, so `seed=` draws for each sample the dropout mask
+    one pipeline of D*M micro-batches over the global batch would draw (shards of equal size).
     """
 
     def __init__(self, module: nn.Sequential, balance: Union[int, Sequence[int]],
                  devices: Optional[Sequence] = None, chunks: int = 1, checkpoint: str = "except_last",
                  deferred_batch_norm: bool = False, seed: Optional[int] = None,
                  threads_per_stage: Optional[int] = None, record_memory: bool = True, schedule: str = "gpipe",
-                 group=None, virtual_stages: int = 1):
+                 group=None, virtual_stages: int = 1, data_parallel=None):
         super().__init__()
+        if data_parallel is not None and group is None:
+            raise ValueError("data_parallel= needs group= too: replicas of a pipeline are processes, each running "
+                             "one stage (pass the 'pp' and 'dp' groups of a DeviceMesh, or groups from new_group)")
         check_module(module)
         self.schedule = schedules.check_schedule(schedule)
         schedules.check_layout(schedule, 1, None, virtual_stages)
@@ -94,7 +105,7 @@ class GPipe(nn.Module):
         else:
             from .distributed.runner import RankRunner
             _release_all_but(module, self.partitions)
-            self._runner = RankRunner(self._local, group, stages, wraps=virtual_stages > 1)
+            self._runner = RankRunner(self._local, group, stages, wraps=virtual_stages > 1, data_parallel=data_parallel)
         self.steps_done = 0
         self.trace = Trace(stages=stages, checkpoint=checkpoint)
 
@@ -111,7 +122,7 @@ class GPipe(nn.Module):
         `loss_fn(output_chunk, target_chunk)` must return the mean loss of a micro-batch; each is
         weighted by its share of the mini-batch, so the gradients are those of the mean over the
         whole mini-batch. Returns that mini-batch loss (a detached scalar on the last device; with
-        stages as processes, on every rank). `on_event`, if given, is called with each task's Event
+        stages as processes, on every rank; with data_parallel=, the mean over the global batch). `on_event`, if given, is called with each task's Event
         as it finishes. `serial=True` runs the tasks one at a time on the calling thread (same
         results; each task timed alone, as an ideal replay on a host with fewer cores than stages
         needs).
@@ -183,7 +194,9 @@ class GPipe(nn.Module):
                                  f"mini-batch's targets there (other ranks may pass None)")
             check_targets(targets, decision.batch)
             micro_targets = scatter(targets, self.chunks)
+        replicas = getattr(self._runner, "replicas", None)
         return Call(kind=kind, decision=decision, sizes=tuple(sizes),
+                    micro_offset=0 if replicas is None else replicas.index * len(sizes),
                     schedule=self.task_lists(len(sizes), training), checkpoint=self.checkpoint,
                     checkpointed=tuple(training and schedules.checkpointed(m, len(sizes), self.checkpoint)
                                        for m in range(len(sizes))),

@@ -68,6 +68,10 @@ class LocalStages:
         for chunk in self.chunks.values():
             chunk.finish()
 
+    def parameters(self) -> list:
+        """The parameters of every chunk this process runs, in model order."""
+        return [p for index in sorted(self.chunks) for p in self.chunks[index].parameters()]
+
     def memory(self, stage: int) -> StageMemory:
         """Memory of one stage: its chunks' parameters and gradients, its activation peak."""
         chunks = [chunk for chunk in self.chunks.values() if chunk.stage == stage]

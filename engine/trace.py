@@ -48,6 +48,22 @@ class Message:
 
 
 @dataclass(frozen=True)
+class Reduction:
+    """A stage's all-reduce of its gradients with the same stage of the other replicas (data
+    parallelism): from the moment its last task ended until the sums were there, in seconds from the
+    step's start, and the bytes each replica put in."""
+
+    stage: int
+    start: float
+    end: float
+    bytes: int
+
+    @property
+    def duration(self) -> float:
+        return self.end - self.start
+
+
+@dataclass(frozen=True)
 class StageMemory:
     """Memory of one stage: bytes of its parameters and gradients, and the activation peak.
 
@@ -68,7 +84,9 @@ class StageMemory:
 class Trace:
     """The record of the last `step()` or forward call of a GPipe. With stages as processes
     (`group=`), `messages` holds what crossed between them, `transport` says "processes" and
-    `lane` how: "shared memory" (one host) or "gloo"."""
+    `lane` how: "shared memory" (one host) or "gloo". With `data_parallel=`, `reductions` holds
+    each stage's gradient all-reduce with its replicas, and `replicas` says how many there are
+    (the trace itself is this pipeline's)."""
 
     stages: int = 0
     micro_batches: int = 0
@@ -81,6 +99,8 @@ class Trace:
     messages: list[Message] = field(default_factory=list)
     transport: str = "threads"
     lane: str = ""
+    reductions: list[Reduction] = field(default_factory=list)  # with data_parallel=: each stage's all-reduce
+    replicas: int = 1                                           # pipelines training together (D)
 
     @property
     def makespan(self) -> float:

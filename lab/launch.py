@@ -25,22 +25,25 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def agent_command(script_args: list[str], port: int, rdzv_id: str, node_rank: Optional[int] = None) -> list[str]:
-    """The torchrun command of one of two agents ("nodes") of one process each."""
+def agent_command(script_args: list[str], port: int, rdzv_id: str, node_rank: Optional[int] = None,
+                  per_node: int = 1, agent_args: tuple = ()) -> list[str]:
+    """The torchrun command of one of two agents ("nodes") of `per_node` processes each."""
     rank = [] if node_rank is None else ["--node-rank", str(node_rank)]
-    return [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1", *rank,
+    return [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", str(per_node), *rank,
+            *agent_args,
             "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", rdzv_id, *script_args]
 
 
 def two_nodes(script_args: list[str], rdzv_id: str, timeout: float, done: Callable[[], bool] = lambda: False,
-              env: Optional[dict] = None, port: Optional[int] = None) -> list[str]:
-    """Run two torchrun agents on this machine, meeting at `port` (a free one by default), until
-    `done()` or both exit, at most `timeout` seconds; then stop both and everything they started
-    (an agent whose peer died may otherwise sit in torchrun's exit barrier for minutes). Returns
-    each agent's output."""
+              env: Optional[dict] = None, port: Optional[int] = None, per_node: int = 1,
+              agent_args: tuple = ()) -> list[str]:
+    """Run two torchrun agents of `per_node` processes each on this machine, meeting at `port` (a
+    free one by default), until `done()` or both exit, at most `timeout` seconds; then stop both and
+    everything they started (an agent whose peer died may otherwise sit in torchrun's exit barrier
+    for minutes). Returns each agent's output."""
     port = port or free_port()
     logs = [tempfile.TemporaryFile("w+") for _ in range(2)]
-    nodes = [subprocess.Popen(agent_command(script_args, port, rdzv_id), cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
+    nodes = [subprocess.Popen(agent_command(script_args, port, rdzv_id, per_node=per_node, agent_args=agent_args), cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
                               text=True, start_new_session=True, env={**os.environ, **(env or {})}) for log in logs]
     try:
         deadline = time.monotonic() + timeout

@@ -56,15 +56,14 @@ class GlooLane:
 
     name = "gloo"
 
-    def __init__(self, rank: int, members: list[int], peers: list[int], device: torch.device, nccl: bool,
-                 wraps: bool = False):
+    def __init__(self, rank: int, pipelines: list, members: list[int], peers: list[int], device: torch.device,
+                 nccl: bool, wraps: bool = False):
         self.rank, self.device = rank, device
-        self.wire = dist.new_group(members, backend="gloo", timeout=NEVER, use_local_synchronization=False)
+        self.wire = own_group(pipelines, members, backend="gloo", timeout=NEVER)
         # NCCL matches messages per peer in posting order and may hold a send until its receive is
         # posted: one communicator per channel (kind and direction) keeps each one-way, so no two
         # ranks can both wait on sends posted first; headers go on gloo
-        self.tensor_groups = {channel: dist.new_group(members, backend="nccl", timeout=NEVER,
-                                                      use_local_synchronization=False)
+        self.tensor_groups = {channel: own_group(pipelines, members, backend="nccl", timeout=NEVER)
                               for channel in nccl_channels(wraps)} if nccl else {}
         self._events: queue.SimpleQueue = queue.SimpleQueue()  # (link, slot) or (None, error, peer)
         self._in_flight: collections.deque = collections.deque()  # (works, buffers, peer) of sends not yet reaped
@@ -241,6 +240,17 @@ class GlooLane:
                 dist.destroy_process_group(group)
             except Exception:  # the default group is already gone (the process is shutting down)
                 pass
+
+
+def own_group(pipelines: list, members: list[int], **options):
+    """This pipeline's group, made together with every other pipeline's: torch.distributed makes a
+    group with all ranks of the world taking part in the same order, so each rank makes them all."""
+    mine = None
+    for ranks in pipelines:
+        group = dist.new_group(list(ranks), use_local_synchronization=False, **options)
+        if list(ranks) == list(members):
+            mine = group
+    return mine
 
 
 def lands_on(kind: str, device: torch.device) -> torch.device:

@@ -18,12 +18,14 @@ from dataclasses import astuple
 from typing import Optional
 
 import torch
+import torch.distributed as dist
 
 from ..call import Call, Decision
 from ..device import check_device, resolve_devices
 from ..runner import EventCallback, events_of, live, name_place, run_tasks
 from ..stages import LocalStages
-from ..trace import Event, Message, StageMemory, Trace
+from ..trace import Event, Message, Reduction, StageMemory, Trace
+from .replicas import Pending, Replicas
 from .transport import ProcessTransport, Ranks, StageFailed, check_group
 
 
@@ -41,17 +43,24 @@ def place(group, stages: int, devices, module) -> tuple[int, torch.device]:
 class RankRunner:
     """Runs this rank's stage (its chunk, or chunks) for each call and exchanges what a call ends with."""
 
-    def __init__(self, local: LocalStages, group, stages: int, wraps: bool):
+    def __init__(self, local: LocalStages, group, stages: int, wraps: bool, data_parallel=None):
         self.local = local
         self.ranks: Ranks = check_group(group, stages)
         rank = self.ranks.rank
+        self.calls = 0
+        self.origin = 0.0  # the current call's time origin, a perf_counter reading on rank 0's clock
+        self.prefix = f"rank {rank}, "
         self.transport = ProcessTransport(
             self.ranks, group, next(iter(local.devices.values())).device,
             upstream=(rank - 1) % stages if rank > 0 or wraps else None,
             downstream=(rank + 1) % stages if rank < stages - 1 or wraps else None, wraps=wraps)
-        self.calls = 0
-        self.origin = 0.0  # the current call's time origin, a perf_counter reading on rank 0's clock
-        self.prefix = f"rank {rank}, "
+        try:
+            self.replicas = None if data_parallel is None else Replicas(data_parallel, rank, self.transport.shared)
+        except ValueError:
+            self.transport.close()
+            raise
+        if self.replicas is not None:  # name the pipeline in failures: "replica 1, rank 3, stage 1"
+            self.prefix = f"replica {self.replicas.index}, rank {dist.get_rank()}, "
 
     @contextmanager
     def calling(self):
@@ -82,10 +91,20 @@ class RankRunner:
         self.origin = t0 - self.transport.clock_offset
         marks = run_tasks(self.local, [(rank, task) for task in call.schedule[rank]], self.transport,
                           live(self.local, on_event), prefix=self.prefix)
+        shard = call.decision.batch
+        reducing = self.replicas is not None and call.training
+        pending = self.replicas.start(self.local.parameters(), shard) if reducing else None  # overlaps the drain
         events = events_of(self.local, marks, on_event)
         result = self.local.conclude(call)
-        piece = self._piece(events, t0, self.local.memory(rank))
-        loss, pieces = self._end_waves(result if call.training else None, piece)
+        total = shard
+        if reducing and self.ranks.is_last:
+            result, total = self.replicas.global_loss(result, shard, self.transport.check_failures)
+        if reducing:
+            self.replicas.finish(pending, self.transport.check_failures)
+        piece = self._piece(events, t0, self.local.memory(rank), pending)
+        loss, total, pieces = self._end_waves(result if call.training else None, total, piece)
+        if reducing:
+            self.replicas.assign(pending, total)
         trace = self._trace(pieces, call, time.perf_counter() - t0)
         if call.training:
             return loss.to(self.local.devices[rank].device), trace
@@ -102,41 +121,46 @@ class RankRunner:
         """End the transport's threads and groups (every rank calls it)."""
         self.transport.close()
 
-    def _piece(self, events: list[Event], t0: float, memory: StageMemory) -> tuple:
+    def _piece(self, events: list[Event], t0: float, memory: StageMemory, pending: Optional[Pending]) -> tuple:
         """This stage's part of the trace, in plain tuples, its times relative to its own start,
         which is given on rank 0's clock."""
         messages = [(self.ranks.rank, m.peer, m.direction, m.kind, m.micro, m.nbytes, m.start - t0, m.end - t0)
                     for m in self.transport.messages()]
-        return (t0 - self.transport.clock_offset, [astuple(e) for e in events], messages, astuple(memory))
+        reductions = [] if pending is None else [(self.ranks.rank, pending.start - t0, pending.end - t0, pending.nbytes)]
+        return (t0 - self.transport.clock_offset, [astuple(e) for e in events], messages, astuple(memory), reductions)
 
-    def _end_waves(self, loss: Optional[torch.Tensor], piece: tuple) -> tuple[Optional[torch.Tensor], list]:
-        """"end" upstream with the loss and the trace pieces of this stage and those after it, then
-        "done" downstream: when it arrives every stage has finished the call."""
+    def _end_waves(self, loss: Optional[torch.Tensor], total: int, piece: tuple) -> tuple[Optional[torch.Tensor], int, list]:
+        """"end" upstream with the loss, the global batch's size and the trace pieces of this stage
+        and those after it, then "done" downstream: when it arrives every stage has finished the call."""
         ranks, transport = self.ranks, self.transport
         pieces = [piece]
         if not ranks.is_last:
-            loss, later = transport.receive_control("end")
+            loss, size, later = transport.receive_control("end")
+            total = int(size.item())
             pieces += pickle.loads(later.numpy().tobytes())
         if not ranks.is_first:
             blob = torch.frombuffer(bytearray(pickle.dumps(pieces)), dtype=torch.uint8)
-            transport.send_control(ranks.rank - 1, "end", (None if loss is None else loss.cpu(), blob))
+            transport.send_control(ranks.rank - 1, "end", (None if loss is None else loss.cpu(),
+                                                           torch.tensor([total]), blob))
             transport.receive_control("done")
         if not ranks.is_last:
             transport.send_control(ranks.rank + 1, "done")
-        return loss, pieces
+        return loss, total, pieces
 
     def _trace(self, pieces: list, call: Call, wall: float) -> Trace:
         """One trace of the stages this rank heard from (all of them on rank 0), on its time base."""
         origin = pieces[0][0]
-        events, messages, memory = [], [], []
-        for start, stage_events, stage_messages, stage_memory in pieces:
+        events, messages, memory, reductions = [], [], [], []
+        for start, stage_events, stage_messages, stage_memory, stage_reductions in pieces:
             shift = start - origin
             events += [Event(s, m, op, a + shift, b + shift, d, c) for s, m, op, a, b, d, c in stage_events]
             messages += [Message(*fields[:6], fields[6] + shift, fields[7] + shift) for fields in stage_messages]
             memory.append(StageMemory(*stage_memory))
+            reductions += [Reduction(s, a + shift, b + shift, n) for s, a, b, n in stage_reductions]
         events.sort(key=lambda e: (e.start, e.stage))
         return Trace(stages=self.ranks.size, micro_batches=call.micro_batches, batch_size=call.decision.batch,
                      checkpoint=call.checkpoint, kind=call.kind, events=events,
                      memory=sorted(memory, key=lambda m: m.stage), wall=wall,
                      messages=sorted(messages, key=lambda m: m.start), transport="processes",
-                     lane=self.transport.lane.name)
+                     lane=self.transport.lane.name, reductions=sorted(reductions, key=lambda r: r.stage),
+                     replicas=1 if self.replicas is None else self.replicas.size)

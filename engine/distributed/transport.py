@@ -19,6 +19,7 @@ see that at once and tell the Store, from which every other rank learns it.
 from __future__ import annotations
 
 import itertools
+import json
 import os
 import socket
 import time
@@ -90,6 +91,30 @@ def _clock_id() -> str:
 
 
 @dataclass(frozen=True)
+class World:
+    """What every rank of the world told the others when its pipe was made: the pipelines (their
+    ranks), each rank's clock and device type. Every rank of the world makes its pipes in the same
+    order (as torch.distributed's groups require), so the n-th pipe of every rank meets here."""
+
+    store: object                   # the Store under this pipe's prefix, shared by the whole world
+    pipelines: list[list[int]]      # the ranks of each pipeline, in one order for every rank
+    clocks: dict[int, str]          # global rank -> its machine's clock
+    device_types: list[str]
+
+    @property
+    def one_host(self) -> bool:
+        return len(set(self.clocks.values())) == 1
+
+    @classmethod
+    def gather(cls, members: list[int], device: torch.device) -> "World":
+        store = dist.PrefixStore(f"gpipe-lab/{next(_serials)}/", dist.distributed_c10d._get_default_store())
+        store.set(f"rank/{dist.get_rank()}", json.dumps([members, _clock_id(), device.type]))
+        told = [json.loads(store.get(f"rank/{r}")) for r in range(dist.get_world_size())]
+        return cls(store, sorted({tuple(m) for m, _, _ in told}), {r: clock for r, (_, clock, _) in enumerate(told)},
+                   [kind for _, _, kind in told])
+
+
+@dataclass(frozen=True)
 class Logged:
     """One message of a call as this rank saw it; times are perf_counter readings."""
 
@@ -110,12 +135,12 @@ class ProcessTransport:
                  wraps: bool = False):
         self.ranks, self.device, self.upstream = ranks, device, upstream
         members = dist.get_process_group_ranks(group)
-        self.store = dist.PrefixStore(f"gpipe-lab/{next(_serials)}/{'-'.join(map(str, members))}/",
-                                      dist.distributed_c10d._get_default_store())
-        self.store.set(f"clock/{ranks.rank}", _clock_id())
-        clocks = [self.store.get(f"clock/{r}").decode() for r in range(ranks.size)]
+        world = World.gather(members, device)
+        self.shared = world.store  # failures are told world-wide: replicas of a stage stop together
+        self.store = dist.PrefixStore(f"{'-'.join(map(str, members))}/", world.store)
+        clocks = [world.clocks[member] for member in members]
         peers = sorted({p for p in (upstream, downstream) if p is not None and p != ranks.rank})
-        self.lane = self._open_lane(members, peers, one_host=len(set(clocks)) == 1, wraps=wraps)
+        self.lane = self._open_lane(world, members, peers, wraps=wraps)
         remote = [r for r in range(1, ranks.size) if clocks[r] != clocks[0]]
         self.clock_offset = self.lane.clock_offset(remote) if remote else 0.0
         self.step = -1
@@ -126,14 +151,16 @@ class ProcessTransport:
         self._log: list[tuple] = []                   # Logged fields, as tuples
         self._closed = False
 
-    def _open_lane(self, members: list[int], peers: list[int], one_host: bool, wraps: bool):
-        """Shared memory when every rank is on this host and the stages on CPUs (unless GPIPE_LANE
-        says gloo), else gloo (and NCCL between GPUs). Every rank decides alike: they read the same
-        clocks from the Store."""
+    def _open_lane(self, world: "World", members: list[int], peers: list[int], wraps: bool):
+        """Shared memory when every rank of the world is on this host and every stage on a CPU
+        (unless GPIPE_LANE says gloo), else gloo (and NCCL between GPUs). Every rank of the world
+        decides alike, from what they all told the Store, since gloo's and NCCL's groups are made
+        by all of them together."""
         asked = os.environ.get("GPIPE_LANE", "auto")
         if asked not in LANES:
             raise ValueError(f"GPIPE_LANE={asked!r}: expected one of {LANES}")
-        if asked != "gloo" and one_host and self.device.type == "cpu" and shm_lane.available():
+        on_cpus = set(world.device_types) == {"cpu"}
+        if asked != "gloo" and world.one_host and on_cpus and shm_lane.available():
             if self.ranks.rank == 0:
                 self.store.set("shm/prefix", f"{shm_prefix()}-{uuid.uuid4().hex[:12]}-")
             prefix = self.store.get("shm/prefix").decode()
@@ -141,8 +168,8 @@ class ProcessTransport:
                                     on_stall=self.check_failures)
         if asked == "shm":
             raise ValueError("GPIPE_LANE=shm but the ranks are not all on this host, or the stages are on GPUs")
-        return GlooLane(self.ranks.rank, members, peers, self.device,
-                        nccl=self.device.type == "cuda" and self.ranks.backend == "nccl", wraps=wraps)
+        return GlooLane(self.ranks.rank, world.pipelines, members, peers, self.device,
+                        nccl=set(world.device_types) == {"cuda"} and self.ranks.backend == "nccl", wraps=wraps)
 
     # --- one call ---------------------------------------------------------------------------
 
@@ -205,7 +232,7 @@ class ProcessTransport:
     def report_failure(self, description: str) -> None:
         """Tell every rank that this rank's part of the current call failed (the first report stays)."""
         try:
-            self.store.compare_set(f"failed/{self.step}", "", description)
+            self.shared.compare_set(f"failed/{self.step}", "", description)
         except Exception:  # the store is gone too: every rank will notice that by itself
             pass
 
@@ -213,8 +240,8 @@ class ProcessTransport:
         """Raise StageFailed if a rank reported a failure of the current call, or a rank was lost."""
         try:
             for key in ("broken", f"failed/{self.step}"):
-                if self.store.check([key]):
-                    raise StageFailed(self.store.get(key).decode())
+                if self.shared.check([key]):
+                    raise StageFailed(self.shared.get(key).decode())
         except StageFailed:
             raise
         except Exception as error:
@@ -231,7 +258,7 @@ class ProcessTransport:
         description = (f"[rank {peer}, stage {peer}] unreachable: rank {self.ranks.rank} lost its connection to "
                        f"it ({str(error).splitlines()[0][:200]}); its process has probably died")
         try:
-            self.store.set("broken", description)
+            self.shared.set("broken", description)
         except Exception:
             pass
         return StageFailed(description)

@@ -1,0 +1,126 @@
+"""Pipelines with data parallelism: two pipelines of two stages as replicas (4 processes under
+torchrun), exact against one process on the whole global batch, and safe under faults."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine import GPipe
+from engine.distributed.replicas import buckets
+from lab.launch import two_nodes
+from conftest import mlp
+
+ROOT = Path(__file__).resolve().parent.parent
+REPLICAS = str(ROOT / "tests" / "distributed_replicas.py")
+
+
+def reports_in(folder: Path) -> list[dict]:
+    return [json.loads(line) for path in sorted(folder.glob("rank*.jsonl")) for line in path.read_text().splitlines()]
+
+
+def torchrun(scenario: str, folder: Path, timeout: float):
+    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
+                           REPLICAS, scenario], cwd=ROOT, capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, "GPIPE_FAULTS_OUT": str(folder)})
+
+
+@pytest.mark.timeout(240)
+def test_a_2x2_mesh_trains_exactly_as_one_process_on_the_global_batch(tmp_path):
+    done = torchrun("exact", tmp_path, 220)
+    assert done.returncode == 0, done.stderr[-3000:]
+    reports = reports_in(tmp_path)
+    trained = [r for r in reports if "loss_difference" in r]
+    cases = {tuple(r["case"]) for r in trained}
+    assert len(cases) == 2 * 2 * 2 + 2 and len(trained) == 4 * len(cases)  # every rank reports every case
+    for r in trained:  # SGD, Adam and ZeRO's sharded Adam, gpipe and 1f1b, recompute on and off, float64
+        assert r["difference"] < 1e-10 and r["loss_difference"] < 1e-10, r
+        assert r["replicas"] == 2
+    for r in (r for r in trained if r["rank"] == 0):  # rank 0's trace: each stage's all-reduce, after its tasks
+        grad_bytes = {s: next(t["grad_bytes"] for t in trained if t["rank"] == s and t["case"] == r["case"])
+                      for s in (0, 1)}
+        assert [(stage, nbytes) for stage, _, _, nbytes in r["reductions"]] == [(0, grad_bytes[0]), (1, grad_bytes[1])]
+        for stage, start, end, _ in r["reductions"]:
+            assert r["last_task_ends"][str(stage)] - 1e-3 <= start <= end, r
+    dropout = [r for r in reports if r.get("case") == ["dropout"]]
+    assert len(dropout) == 4 and all(r["difference"] < 1e-12 for r in dropout), dropout
+    refused = [r for r in reports if r.get("case") == ["same group twice"]]
+    assert len(refused) == 4 and all("must hold the same stage of each pipeline" in (r["raised"] or "")
+                                     for r in refused), refused
+
+
+def outcomes(reports: list[dict]) -> tuple[float, dict]:
+    failed_at = min(r["failed_at"] for r in reports if "failed_at" in r)
+    return failed_at, {r["rank"]: r for r in reports if "raised" in r}
+
+
+@pytest.mark.timeout(120)
+def test_an_exception_in_one_replica_is_raised_on_all_four_ranks_within_5_seconds(tmp_path):
+    done = torchrun("errors", tmp_path, 110)
+    assert done.returncode == 0, done.stderr[-3000:]
+    failed_at, raised = outcomes(reports_in(tmp_path))
+    assert sorted(raised) == [0, 1, 2, 3]
+    assert raised[3]["raised"] == "ZeroDivisionError"
+    assert raised[3]["message"].startswith("[replica 1, rank 3, stage 1, micro-batch 0, forward (F0)] boom in replica 1")
+    assert all(raised[r]["raised"] == "StageFailed" and "boom in replica 1" in raised[r]["message"] for r in (0, 1, 2))
+    assert max(r["at"] for r in raised.values()) - failed_at < 5
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("nodes", [1, 2])
+def test_a_killed_rank_is_raised_by_the_other_three_within_15_seconds(tmp_path, nodes):
+    before = sorted(os.listdir("/dev/shm"))
+    # torchrun would stop an agent's other workers once it sees one die: it looks only every 30 s
+    # here, so what is measured is how soon the engine itself tells the survivors
+    slow_agent = ("--monitor-interval", "30")
+    if nodes == 1:
+        until_reported(["--standalone", "--nproc-per-node", "4", *slow_agent, REPLICAS, "kill"], tmp_path)
+    else:  # two torchrun agents of two processes each, meeting on loopback as two hosts would
+        two_nodes([REPLICAS, "kill"], "replicas-kill", timeout=90, per_node=2, env={"GPIPE_FAULTS_OUT": str(tmp_path)},
+                  done=lambda: len(outcomes_or_none(tmp_path)) == 3, agent_args=slow_agent)
+    failed_at, raised = outcomes(reports_in(tmp_path))
+    assert sorted(raised) == [0, 1, 2], raised
+    assert all(r["raised"] == "StageFailed" for r in raised.values()), raised
+    assert max(r["at"] for r in raised.values()) - failed_at < 15
+    deadline = time.monotonic() + 10
+    while sorted(os.listdir("/dev/shm")) != before and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert sorted(os.listdir("/dev/shm")) == before, "nothing of the pipes stays in /dev/shm"
+
+
+def until_reported(args: list[str], folder: Path, timeout: float = 90) -> None:
+    """Run torchrun until three ranks reported an outcome (or `timeout`), then stop it and its workers."""
+    agent = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", *args], cwd=ROOT, start_new_session=True,
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                             env={**os.environ, "GPIPE_FAULTS_OUT": str(folder)})
+    try:
+        deadline = time.monotonic() + timeout
+        while len(outcomes_or_none(folder)) < 3 and agent.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.2)
+    finally:
+        if agent.poll() is None:
+            os.killpg(agent.pid, signal.SIGKILL)
+        agent.wait()
+
+
+def outcomes_or_none(folder: Path) -> dict:
+    try:
+        return outcomes(reports_in(folder))[1]
+    except (ValueError, json.JSONDecodeError):
+        return {}
+
+
+def test_gradients_go_in_buckets_of_one_dtype_and_bounded_size():
+    tensors = [torch.zeros(10), torch.zeros(10, dtype=torch.float64), torch.zeros(30), torch.zeros(5),
+               torch.zeros(100)]
+    assert buckets(tensors, limit=160) == [[0, 2], [1], [3], [4]]   # 40 + 120 bytes; 20 more would overflow
+
+
+def test_data_parallel_needs_stages_as_processes():
+    with pytest.raises(ValueError, match="data_parallel= needs group= too"):
+        GPipe(mlp(), 2, data_parallel=object())
