@@ -154,7 +154,7 @@ class Chunk:
         x, out, noted = self.state.graphs.pop(micro)
         if self.is_last:  # a loss that depends on no parameter or input (a parameter-free model) has no backward
             roots = [out] if out.requires_grad else []
-            grads = [torch.tensor(self.call.weights[micro], dtype=out.dtype, device=out.device)][:len(roots)]
+            grads = [out.new_full((), self.call.weights[micro])][:len(roots)]  # no host-to-GPU copy
         else:
             grads_out = tensors_of(received)
             pairs = [(o, g) for o, g in zip(tensors_of(out), grads_out) if g is not None and o.requires_grad]

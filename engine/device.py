@@ -110,12 +110,10 @@ class StageDevice:
         self._origin = None
         self._t0 = 0.0
 
-    def start(self, t0: float) -> None:
-        """Mark the step's time origin (host time `t0`; on CUDA also an event on the stage stream)."""
-        self._t0 = t0
-        if self.is_cuda:
-            self._origin = torch.cuda.Event(enable_timing=True)
-            self._origin.record(self.stream)
+    def start(self, t0: float, origin=None) -> None:
+        """Mark the step's time origin: host time `t0`, and on CUDA `origin`, an event recorded on
+        this GPU at that moment (one per GPU, shared by the stages on it, so their times agree)."""
+        self._t0, self._origin = t0, origin
 
     def enter(self) -> ExitStack:
         """Set up the calling worker thread: intra-op threads on CPU, device and stream on CUDA."""

@@ -68,8 +68,9 @@ def run_tasks(local: LocalStages, work: Iterable[tuple[int, Task]], transport,
 
 
 def events_of(local: LocalStages, marks: list[Mark], on_event: EventCallback) -> list[Event]:
-    """The timed events of a call's marks, in start order. On CUDA the times are known only now
-    (it waits for the GPU), so the callback hears of them now rather than live."""
+    """The timed events of a call's marks, in start order. On CUDA the times are known only now: it
+    waits for every task's end on the GPU (so the stages' results are ready after it), and the
+    callback hears of them now rather than live."""
     events = [local.chunks[task.chunk].event(task, a, b, timed=True) for task, a, b in marks]
     events.sort(key=lambda e: (e.start, e.stage))
     if on_event is not None and any(device.is_cuda for device in local.devices.values()):
@@ -122,11 +123,11 @@ class ThreadRunner:
             if self._threads is None:
                 self._threads = StageThreads(self.stages)
             marks = self._threads.run(self.local, call.schedule, transport, on_event)
-        wall = time.perf_counter() - t0
+        events = events_of(self.local, marks, on_event)  # on CUDA this waits for the stages' streams, so
+        wall = time.perf_counter() - t0                   # what follows reads finished losses and outputs
         result = self.local.conclude(call)
         trace = Trace(stages=self.stages, micro_batches=call.micro_batches, batch_size=call.decision.batch,
-                      checkpoint=call.checkpoint, kind=("serial " if serial else "") + call.kind,
-                      events=events_of(self.local, marks, on_event),
+                      checkpoint=call.checkpoint, kind=("serial " if serial else "") + call.kind, events=events,
                       memory=[self.local.memory(stage) for stage in self.local.devices], wall=wall)
         return result, trace
 

@@ -37,12 +37,16 @@ class LocalStages:
         """Begin a call and return its time origin (a perf_counter reading), taken once every GPU of
         these stages is idle, so that host and GPU clocks start together: peak memory reset per
         device, and one activation ledger per stage, shared by all of its chunks."""
-        for device in {d.device for d in self.devices.values() if d.is_cuda}:
-            torch.cuda.synchronize(device)
-            torch.cuda.reset_peak_memory_stats(device)
+        gpus = {d.device for d in self.devices.values() if d.is_cuda}
+        for gpu in gpus:
+            torch.cuda.synchronize(gpu)
+            torch.cuda.reset_peak_memory_stats(gpu)
         t0 = time.perf_counter()
+        origins = {gpu: torch.cuda.Event(enable_timing=True) for gpu in gpus}
+        for gpu, origin in origins.items():  # GPUs idle: an event on any stream of one marks "now" for all
+            origin.record(torch.cuda.current_stream(gpu))
         for stage, device in self.devices.items():
-            device.start(t0)
+            device.start(t0, origins.get(device.device))
             mine = [chunk for chunk in self.chunks.values() if chunk.stage == stage]
             ledger = ActivationLedger([p for chunk in mine for p in chunk.parameters()])
             for chunk in mine:

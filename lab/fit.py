@@ -109,6 +109,8 @@ def footprint_cuda(config: RunConfig, budget: int) -> tuple[int, int, bool]:
     gpus = range(torch.cuda.device_count())
     params, pipe = 0, None
     try:
+        if hasattr(torch._C, "_cuda_clearCublasWorkspaces"):  # each probe's new streams would add their own
+            torch._C._cuda_clearCublasWorkspaces()
         torch.cuda.empty_cache()
         baselines = [torch.cuda.memory_allocated(d) for d in gpus]
         for d in gpus:

@@ -4,13 +4,14 @@ the order of receive and start mark, serial runs settling each task, NCCL channe
 traffic one way, the GPU memory budget's arithmetic and the choices the lab makes from the host."""
 import pytest
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from conftest import mlp
 from engine import GPipe
 from engine import schedule as schedules
 from engine.device import StageDevice, home_device, resolve_devices
-from engine.distributed.gloo_lane import channel, lands_on, nccl_channels
+from engine.distributed.gloo_lane import edge_groups, lands_on, nccl_edges
 from lab import fit, host, speedup
 from lab.config import RunConfig, visible_gpus
 from lab.train import backend_for
@@ -91,12 +92,12 @@ def test_a_task_is_marked_started_after_its_input_is_received_and_serial_runs_se
 
 @pytest.mark.parametrize("name", list(schedules.SCHEDULES))
 @pytest.mark.parametrize("stages", [2, 3, 4])
-def test_every_nccl_channel_carries_traffic_one_way(name, stages):
+def test_every_payload_travels_an_nccl_edge_of_its_own(name, stages):
     """NCCL may hold a send until the peer posts its receive: a communicator with traffic both ways
-    between two ranks can deadlock. Every channel a schedule uses must go one way in rank order."""
+    can deadlock. Each message a schedule sends must have its one-way edge (kind, sender, receiver)."""
     virtual = 2 if name == "interleaved" else 1
     chunks = stages * virtual
-    used: dict = {}
+    edges = set(nccl_edges(stages, wraps=virtual > 1))
     for tasks in schedules.SCHEDULES[name](stages, 2 * stages, "never", virtual):
         for task in tasks:
             target = task.chunk + 1 if task.op == "F" else task.chunk - 1 if task.op == "B" else None
@@ -104,10 +105,24 @@ def test_every_nccl_channel_carries_traffic_one_way(name, stages):
                 continue
             source, destination = schedules.owner(task.chunk, stages), schedules.owner(target, stages)
             if source != destination:
-                kind = "act" if task.op == "F" else "grad"
-                used.setdefault(channel(kind, source, destination), set()).add(destination > source)
-    assert set(used) <= set(nccl_channels(wraps=virtual > 1))
-    assert all(len(directions) == 1 for directions in used.values()), used
+                assert ("act" if task.op == "F" else "grad", source, destination) in edges
+
+
+def test_every_rank_makes_every_pipelines_nccl_groups_in_one_order(monkeypatch):
+    """Two pipelines of two stages on ranks {0, 1} and {2, 3}: torch.distributed needs every rank of
+    the world to make each group, in the same order; each rank keeps its own edges."""
+    made: dict[int, list] = {}
+    for me in range(4):
+        monkeypatch.setattr(dist, "get_rank", lambda me=me: me)
+        monkeypatch.setattr(dist, "new_group", lambda ranks, me=me, **options: made.setdefault(me, []).append(
+            (tuple(ranks), options["backend"])) or tuple(sorted(ranks)))
+        mine = edge_groups([(0, 1), (2, 3)], [0, 1] if me < 2 else [2, 3], 2, wraps=False)
+        assert set(mine) == {("act", 0, 1), ("grad", 1, 0)}
+        peer = me ^ 1   # its neighbour in its pipeline, rank 0 or 1 of each two-rank group
+        assert all(group == tuple(sorted([me, peer])) and local == sorted([me, peer]).index(peer)
+                   for group, local in mine.values())
+    assert made[0] == made[1] == made[2] == made[3] == [((0, 1), "nccl"), ((1, 0), "nccl"), ((2, 3), "nccl"),
+                                                         ((3, 2), "nccl")]
 
 
 def test_the_gpu_memory_budget_counts_what_the_step_allocated():

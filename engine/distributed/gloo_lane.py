@@ -28,6 +28,7 @@ import torch.distributed as dist
 
 from . import wire
 from .wire import Arrival, Lost
+from .works import until_completed
 
 HEADER_TAG, DATA_TAG, CLOCK_TAG = 1, 2, 3
 PREPOSTED = 8                                  # receives kept posted per neighbour
@@ -61,10 +62,9 @@ class GlooLane:
         self.rank, self.device = rank, device
         self.wire = own_group(pipelines, members, backend="gloo", timeout=NEVER)
         # NCCL matches messages per peer in posting order and may hold a send until its receive is
-        # posted: one communicator per channel (kind and direction) keeps each one-way, so no two
-        # ranks can both wait on sends posted first; headers go on gloo
-        self.tensor_groups = {channel: own_group(pipelines, members, backend="nccl", timeout=NEVER)
-                              for channel in nccl_channels(wraps)} if nccl else {}
+        # posted: a two-rank communicator per edge (kind, sender, receiver) carries traffic one way
+        # only, so no two ranks can both wait on sends posted first; headers go on gloo
+        self.tensor_groups = edge_groups(pipelines, members, len(members), wraps) if nccl else {}
         self._events: queue.SimpleQueue = queue.SimpleQueue()  # (link, slot) or (None, error, peer)
         self._in_flight: collections.deque = collections.deque()  # (works, buffers, peer) of sends not yet reaped
         self._reap = threading.Condition()           # wakes the sender thread: reap what is in flight
@@ -83,14 +83,14 @@ class GlooLane:
 
     def post(self, destination: int, step: int, kind: str, micro: int, chunk: int, decision, value) -> None:
         """Send one message; its buffers are held until the send completes, on the sender thread."""
-        group = self.tensor_groups.get(channel(kind, self.rank, destination))
-        if group is None:
+        edge = self.tensor_groups.get((kind, self.rank, destination))
+        if edge is None:
             frame, tensors = wire.encode(step, kind, micro, chunk, decision, _on_cpu(value))
-            group, tag = self.wire, DATA_TAG
+            group, peer, tag = self.wire, destination, DATA_TAG
         else:
             frame, tensors = wire.encode(step, kind, micro, chunk, decision, value, inline=False)
-            tag = 0
-        works = [self.wire.send([frame], destination, HEADER_TAG)] + [group.send([t], destination, tag) for t in tensors]
+            (group, peer), tag = edge, 0
+        works = [self.wire.send([frame], destination, HEADER_TAG)] + [group.send([t], peer, tag) for t in tensors]
         self._in_flight.append((works, (frame, tensors), destination))
         if len(self._in_flight) > REAP_AFTER:
             self._wake_sender()
@@ -121,10 +121,11 @@ class GlooLane:
         and the NCCL works to wait for before using them (None when they are already here). NCCL
         receives are only posted: the stage waits for them when a task needs the value, so no
         stream waits for data meant for a later task."""
-        group = self.tensor_groups.get(channel(header.kind, peer, self.rank))
-        if group is not None:
+        edge = self.tensor_groups.get((header.kind, peer, self.rank))
+        if edge is not None:
+            group, local_peer = edge
             tensors = wire.empty_tensors(header, home)
-            works = [group.recv([t], peer, 0) for t in tensors if t is not None]
+            works = [group.recv([t], local_peer, 0) for t in tensors if t is not None]
             return wire.marked(tensors, header), works
         tensors = wire.empty_tensors(header, torch.device("cpu"))
         try:
@@ -200,6 +201,7 @@ class GlooLane:
             while self._in_flight:
                 works, _buffers, destination = self._in_flight[0]
                 try:
+                    until_completed(works, pause_cap=1e-3)  # NCCL's wait() would not wait for the buffers' release
                     for work in works:
                         work.wait()
                 except Exception as error:
@@ -235,7 +237,7 @@ class GlooLane:
         deadline = time.monotonic() + timeout
         for thread in self._threads:
             thread.join(timeout=max(0.0, deadline - time.monotonic()))
-        for group in [self.wire, *self.tensor_groups.values()]:
+        for group in [self.wire, *(group for group, _ in self.tensor_groups.values())]:
             try:
                 dist.destroy_process_group(group)
             except Exception:  # the default group is already gone (the process is shutting down)
@@ -259,16 +261,28 @@ def lands_on(kind: str, device: torch.device) -> torch.device:
     return device if kind in ("act", "grad") else torch.device("cpu")
 
 
-def channel(kind: str, source: int, destination: int) -> tuple[str, str]:
-    """The NCCL channel a payload travels on: its kind, and whether it goes up or down in rank."""
-    return kind, "up" if destination > source else "down"
+def nccl_edges(size: int, wraps: bool) -> list[tuple[str, int, int]]:
+    """The edges (kind, sending rank, receiving rank) a pipe's payloads travel, in one order for
+    every rank: activations to the next stage, gradients back, and with chunks that wrap around
+    (interleaved) also from the last stage to the first and back."""
+    edges = [("act", r, r + 1) for r in range(size - 1)] + [("grad", r + 1, r) for r in range(size - 1)]
+    return edges + [("act", size - 1, 0), ("grad", 0, size - 1)] if wraps and size > 1 else edges
 
 
-def nccl_channels(wraps: bool) -> list[tuple[str, str]]:
-    """The channels a pipe uses, in one order for every rank: activations go up and gradients down,
-    and with chunks that wrap around (interleaved) also the other way."""
-    channels = [("act", "up"), ("grad", "down")]
-    return channels + [("act", "down"), ("grad", "up")] if wraps else channels
+def edge_groups(pipelines: list, members: list[int], size: int, wraps: bool) -> dict:
+    """This rank's NCCL groups, one of two ranks per edge it sends or receives on, as
+    {(kind, sender, receiver): (group, the peer's rank in it)}; every rank of the world makes every
+    pipeline's, in one order, as torch.distributed requires."""
+    me = dist.get_rank()
+    mine = {}
+    for ranks in pipelines:
+        for kind, a, b in nccl_edges(size, wraps):
+            pair = [ranks[a], ranks[b]]
+            group = dist.new_group(pair, backend="nccl", timeout=NEVER, use_local_synchronization=False)
+            if me in pair and list(ranks) == list(members):
+                peer = pair[1] if pair[0] == me else pair[0]
+                mine[(kind, a, b)] = (group, sorted(pair).index(peer))
+    return mine
 
 
 def _on_cpu(value):

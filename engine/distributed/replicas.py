@@ -21,9 +21,9 @@ import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from ..transport import StageFailed
+from .works import until_completed
 
 BUCKET_BYTES = 25 * 2 ** 20   # as DistributedDataParallel: large enough to amortize a call, small enough to overlap
-POLL_SECONDS = 0.05
 
 
 def buckets(tensors: list[torch.Tensor], limit: int = BUCKET_BYTES) -> list[list[int]]:
@@ -111,12 +111,8 @@ def wait(works: list, check: Callable[[], None]) -> None:
     """Wait for collective works, calling `check` (which raises StageFailed on a failure reported
     elsewhere) while they run; a collective that broke is a StageFailed too, unless a reported
     failure explains it."""
-    pause = 1e-5
+    until_completed(works, check)
     for work in works:
-        while not work.is_completed():
-            check()
-            time.sleep(pause)
-            pause = min(2 * pause, POLL_SECONDS)
         try:
             work.wait()
         except Exception as error:

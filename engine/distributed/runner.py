@@ -91,10 +91,10 @@ class RankRunner:
         self.origin = t0 - self.transport.clock_offset
         marks = run_tasks(self.local, [(rank, task) for task in call.schedule[rank]], self.transport,
                           live(self.local, on_event), prefix=self.prefix)
+        events = events_of(self.local, marks, on_event)  # on CUDA: waits until the stage's gradients are written
         shard = call.decision.batch
         reducing = self.replicas is not None and call.training
         pending = self.replicas.start(self.local.parameters(), shard) if reducing else None  # overlaps the drain
-        events = events_of(self.local, marks, on_event)
         result = self.local.conclude(call)
         total = shard
         if reducing and self.ranks.is_last:

@@ -32,6 +32,7 @@ import torch.distributed as dist
 
 from . import shm_lane, wire
 from .gloo_lane import GlooLane
+from .works import until_completed
 from .wire import Lost
 from ..call import Decision
 from ..microbatch import Value
@@ -191,12 +192,7 @@ class ProcessTransport:
         host waits here until NCCL has delivered it, looking for failures meanwhile: a GPU stream
         that waited for a lost peer would stall this rank past every check."""
         value, works = self._get((self.step, *key))
-        if works:
-            pause = 1e-5
-            while not all(work.is_completed() for work in works):
-                self.check_failures()
-                time.sleep(pause)
-                pause = min(2 * pause, POLL_SECONDS)
+        until_completed(works or [], self.check_failures, every=POLL_SECONDS)
         return value, works
 
     def send(self, source: int, destination: int, key, value: Value) -> None:
