@@ -20,6 +20,7 @@ def stage_names(stages: int) -> list[str]:
 
 
 MESSAGES = {"send": ("sending", "#B279A2"), "receive": ("receiving", "#9E765F")}
+ALL_REDUCE = "#E45756"
 
 
 def message_row(stage: int) -> str:
@@ -30,7 +31,8 @@ def gantt(timeline: Timeline, title: Optional[str] = None, height: Optional[int]
     """Per-stage Gantt chart: one horizontal-bar trace per op (forward, recompute, backward, weight
     gradient), each bar labelled with its micro-batch (and "@chunk" when stages hold several chunks);
     empty stretches are the idle time (the bubble). When the stages were processes, a row under
-    each stage shows its thread sending and reading messages ("act 3" forward, "grad 3" back)."""
+    each stage shows its thread sending and reading messages ("act 3" forward, "grad 3" back);
+    with replicas, an "all-reduce" bar after each stage's last task shows its gradients' sum."""
     figure = go.Figure()
     scale = 1000.0 if timeline.unit == "s" else 1.0
     unit = "ms" if timeline.unit == "s" else timeline.unit
@@ -58,6 +60,15 @@ def gantt(timeline: Timeline, title: Optional[str] = None, height: Optional[int]
             text=[f"{m.kind} {m.micro}" for m in sent], customdata=[[m.peer, m.bytes] for m in sent],
             textposition="inside", insidetextanchor="middle",
             hovertemplate=f"{name} %{{text}} (peer stage %{{customdata[0]}}, %{{customdata[1]:,}} bytes)<br>"
+                          f"%{{base:.2f}}, %{{x:.3f}} {unit} long<extra>%{{y}}</extra>"))
+    if timeline.reductions:
+        reductions = timeline.reductions
+        figure.add_trace(go.Bar(
+            name="all-reduce", orientation="h", marker_color=ALL_REDUCE, y=[f"stage {r.stage}" for r in reductions],
+            base=[r.start * scale for r in reductions], x=[max(r.end - r.start, 0.0) * scale for r in reductions],
+            text=["all-reduce"] * len(reductions), customdata=[[r.bytes] for r in reductions],
+            textposition="inside", insidetextanchor="middle",
+            hovertemplate=f"gradients all-reduced with the replicas' same stage, %{{customdata[0]:,}} bytes<br>"
                           f"%{{base:.2f}}, %{{x:.3f}} {unit} long<extra>%{{y}}</extra>"))
     if timeline.messages:
         rows = [row for k in range(timeline.stages) for row in (f"stage {k}", message_row(k))]

@@ -351,3 +351,35 @@ def best_plan(rows: list[dict]) -> dict:
     unit-cost model."""
     best = min((r for r in rows if r["fits (predicted)"]), key=lambda r: r["time vs one device (theory)"])
     return dict(stages=best["K"], micro_batches=best["M"], checkpoint=best["checkpoint"])
+
+
+@_exercise
+def check_layout(choice: tuple, plan) -> str:
+    """choice = (D, K) for a lab.replicas.Plan: a layout of its workers that fits the memory and,
+    among those, the fastest step."""
+    _attempted(choice, "MY_LAYOUT = ...")
+    choice = tuple(choice) if isinstance(choice, list) else choice
+    if not (isinstance(choice, tuple) and len(choice) == 2 and all(isinstance(n, int) for n in choice)):
+        raise Feedback(f"MY_LAYOUT must be a pair of whole numbers (D, K), got {choice!r}")
+    replicas, stages = choice
+    if replicas * stages != plan.workers:
+        raise Feedback(f"{replicas} x {stages} = {replicas * stages} workers, but there are {plan.workers}: "
+                       f"every worker runs one stage of one replica, so D x K = {plan.workers}")
+    rows = {(r["D"], r["K"]): r for r in plan.table()}
+    if choice not in rows:
+        raise Feedback(f"{choice} cannot split the global batch of {plan.global_batch} into whole micro-batches of "
+                       f"{plan.micro_size} per replica, or has more stages than the model's {plan.layers} layers")
+    row, best = rows[choice], rows[plan.best()]
+    if not row["fits"]:
+        raise Feedback(f"{replicas} x {stages} needs {row['GB per worker']} GB per worker, more than the "
+                       f"{plan.memory / 1e9:.0f} GB each has: the model's states alone are 16 bytes x "
+                       f"{plan.params / 1e9:.0f}B parameters over {stages} stage(s)")
+    if row["step s"] > best["step s"] + 1e-9:
+        more = best["D"] > replicas
+        why = (f"more replicas at this global batch leave each fewer micro-batches, but fewer stages too: the "
+               f"fill and drain shrink by more than the all-reduce ({best['all-reduce s']} s) costs") if more else \
+            (f"here the all-reduce of {replicas} replicas ({row['all-reduce s']} s) costs more than the bubble it saves")
+        raise Feedback(f"{replicas} x {stages} fits ({row['GB per worker']} GB) and takes {row['step s']} s a step, "
+                       f"but {best['D']} x {best['K']} also fits and takes {best['step s']} s: {why}")
+    return (f"✓ {replicas} x {stages}: fits ({row['GB per worker']} GB per worker) and is the fastest layout that "
+            f"does ({row['step s']} s a step, bubble {row['bubble']})")

@@ -75,3 +75,18 @@ def train_on_two_nodes(train_args: list[str], timeout: float = 180.0) -> dict:
             raise RuntimeError("the two-node run wrote no trace; the agents printed:\n" + "\n".join(outputs))
         trace = json.loads(path.read_text())
     return {**trace, "outputs": outputs, "command": shlex.join(agent_command(args, port, rdzv_id))}
+
+
+def train_on_this_host(train_args: list[str], processes: int, timeout: float = 180.0) -> dict:
+    """`torchrun --standalone --nproc-per-node P -m lab.train ...` (a data-parallel mesh with
+    `--data-parallel`): rank 0's trace of the last step (events, messages, the stages' all-reduces,
+    losses), its output and the command. Raises RuntimeError with the output if no trace came."""
+    with tempfile.TemporaryDirectory() as folder:
+        path = Path(folder) / "trace.json"
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(processes),
+                   "-m", "lab.train", *train_args, "--trace-out", str(path)]
+        done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+        if not path.exists():
+            raise RuntimeError(f"the run wrote no trace (exit code {done.returncode}):\n{done.stdout}\n{done.stderr[-3000:]}")
+        trace = json.loads(path.read_text())
+    return {**trace, "output": done.stdout, "command": shlex.join(["torchrun", *command[3:-2]])}

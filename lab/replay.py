@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from engine.schedule import SCHEDULES, check_schedule, timeline
-from engine.trace import Event, Message, Trace
+from engine.trace import Event, Message, Reduction, Trace
 
 from . import theory as theory_model
 
@@ -52,18 +52,23 @@ class Timeline:
     def messages(self) -> list[Message]:
         return self.trace.messages
 
+    @property
+    def reductions(self) -> list[Reduction]:
+        return self.trace.reductions
 
-def _timeline(label: str, stages: int, events: list[Event], unit: str = "s", messages=()) -> Timeline:
+
+def _timeline(label: str, stages: int, events: list[Event], unit: str = "s", messages=(), reductions=()) -> Timeline:
     return Timeline(label, Trace(stages=stages, events=sorted(events, key=lambda e: (e.start, e.stage)),
-                                 messages=list(messages)), unit)
+                                 messages=list(messages), reductions=list(reductions)), unit)
 
 
-def measured(events: list[dict], stages: int, label: str = "measured", messages: list[dict] = ()) -> Timeline:
+def measured(events: list[dict], stages: int, label: str = "measured", messages: list[dict] = (),
+             reductions: list[dict] = ()) -> Timeline:
     """The events of a run as a timeline (seconds from the step's start), with the messages
-    between stage processes if there were any."""
+    between stage processes and the gradient all-reduces with replicas, if there were any."""
     return _timeline(label, stages, [Event(e["stage"], e["micro"], e["op"], e["start"], e["end"], e.get("device", ""),
                                            e.get("chunk", e["stage"])) for e in events],
-                     messages=[Message(**m) for m in messages])
+                     messages=[Message(**m) for m in messages], reductions=[Reduction(**r) for r in reductions])
 
 
 def ideal_replay(events: list[dict], stages: int, micro_batches: int, checkpoint: str,

@@ -2,6 +2,7 @@
 
     python -m lab.train --steps 200 --stages 2                       # stages as threads of this process
     torchrun --standalone --nproc-per-node 2 -m lab.train --steps 200  # one process per stage
+    torchrun --standalone --nproc-per-node 4 -m lab.train --stages 2 --data-parallel 2  # 2 pipelines as replicas
     torchrun --nnodes 2 --nproc-per-node 1 --rdzv-backend c10d \\
              --rdzv-endpoint HOST:29500 -m lab.train --steps 200     # one stage per machine
 
@@ -23,6 +24,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
 
 from engine import GPipe
 from engine.schedule import CHECKPOINT_MODES, SCHEDULES
@@ -33,9 +35,13 @@ from . import models
 def parser() -> argparse.ArgumentParser:
     options = argparse.ArgumentParser(prog="python -m lab.train", description=__doc__.splitlines()[0])
     options.add_argument("--steps", type=int, default=100)
-    options.add_argument("--stages", type=int, default=2, help="K with threads (under torchrun: the group's size)")
+    options.add_argument("--stages", type=int, default=None, help="K (threads: default 2; under torchrun: the "
+                         "world's size over --data-parallel)")
+    options.add_argument("--data-parallel", type=int, default=1, help="D pipelines training as replicas, each on "
+                         "its shard of the batch (under torchrun: D x K processes, a ('dp', 'pp') device mesh)")
     options.add_argument("--micro-batches", type=int, default=8, help="M")
-    options.add_argument("--batch", type=int, default=32, help="N, sequences per mini-batch")
+    options.add_argument("--batch", type=int, default=32, help="N, sequences per mini-batch (the global batch: "
+                         "each replica takes N/D)")
     options.add_argument("--blocks", type=int, default=4, help="Transformer blocks (the model has blocks + 2 layers)")
     options.add_argument("--width", type=int, default=64)
     options.add_argument("--checkpoint", default="except_last", choices=CHECKPOINT_MODES)
@@ -64,8 +70,8 @@ def launched_by_torchrun() -> bool:
 
 def main(argv=None) -> int:
     args = parser().parse_args(argv)
-    for name in ("steps", "stages", "micro_batches", "batch", "blocks", "width", "log_every"):
-        if getattr(args, name) < 1:
+    for name in ("steps", "stages", "data_parallel", "micro_batches", "batch", "blocks", "width", "log_every"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
             print(f"python -m lab.train: error: --{name.replace('_', '-')} {getattr(args, name)}: expected >= 1",
                   file=sys.stderr)
             return 2
@@ -75,16 +81,41 @@ def main(argv=None) -> int:
         return 2
     zoo = models.get("transformer")
     distributed = launched_by_torchrun()
+    replicas = args.data_parallel
+    if replicas > 1 and not distributed:
+        print(f"python -m lab.train: error: --data-parallel {replicas} needs one process per stage and replica: "
+              f"torchrun --nproc-per-node {replicas * (args.stages or 2)} -m lab.train --stages {args.stages or 2} "
+              f"--data-parallel {replicas}", file=sys.stderr)
+        return 2
+    if args.batch % replicas:
+        print(f"python -m lab.train: error: --batch {args.batch} cannot be split into {replicas} equal shards",
+              file=sys.stderr)
+        return 2
+    pipeline, data_parallel, replica = None, None, 0
     if distributed:
         local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
         gpus = torch.cuda.device_count() if args.device == "cuda" else 0
         if gpus:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")) % gpus)
         dist.init_process_group(backend_for(args.device, gpus, local_ranks))
-        rank, stages = dist.get_rank(), dist.get_world_size()
-        transport = f"processes: {stages} ranks over torch.distributed ({dist.get_backend()})"
+        rank, world = dist.get_rank(), dist.get_world_size()
+        stages = world // replicas
+        if world % replicas or (args.stages is not None and args.stages != stages):
+            if rank == 0:
+                print(f"python -m lab.train: error: {world} processes cannot be --data-parallel {replicas} pipelines"
+                      + (f" of --stages {args.stages}" if args.stages else "") + "; start D x K processes",
+                      file=sys.stderr)
+            return 2
+        if replicas > 1:
+            mesh = init_device_mesh(args.device, (replicas, stages), mesh_dim_names=("dp", "pp"))
+            pipeline, data_parallel = mesh.get_group("pp"), mesh.get_group("dp")
+            replica = dist.get_rank(data_parallel)
+        else:
+            pipeline = dist.group.WORLD
+        transport = (f"processes: {replicas} pipeline(s) of {stages} ranks over torch.distributed "
+                     f"({dist.get_backend()})")
     else:
-        rank, stages = 0, args.stages
+        rank, stages = 0, args.stages or 2
         transport = f"threads: {stages} stage threads in this process"
     if stages > zoo.layer_count(args.blocks):
         if rank == 0:
@@ -93,37 +124,41 @@ def main(argv=None) -> int:
         return 2
     model = zoo.build(args.blocks, args.width, args.seed)
     pipe = GPipe(model, stages, chunks=args.micro_batches, checkpoint=args.checkpoint, schedule=args.schedule,
-                 seed=args.seed, threads_per_stage=1, group=dist.group.WORLD if distributed else None,
+                 seed=args.seed, threads_per_stage=1, group=pipeline, data_parallel=data_parallel,
                  devices=args.device)
     optimizer = torch.optim.Adam(pipe.parameters(), lr=args.lr)
-    first, last = rank == 0, rank == stages - 1 or not distributed
-    if first:
+    stage = dist.get_rank(pipeline) if distributed else 0
+    first, last = stage == 0, stage == stages - 1 or not distributed
+    if rank == 0:
         print(f"# lab.train: char Transformer, {zoo.layer_count(args.blocks)} layers, width {args.width}, "
               f"batch {args.batch}, K={stages}, M={args.micro_batches}, {args.schedule}, checkpoint {args.checkpoint}; "
               f"{transport}; stages on {pipe.devices[0].type}", flush=True)
     start, window, losses = time.perf_counter(), time.perf_counter(), []
     for step in range(1, args.steps + 1):
-        inputs, targets = zoo.batch(args.batch, args.width, args.seed + step)
+        inputs, targets = (t.chunk(replicas)[replica] for t in zoo.batch(args.batch, args.width, args.seed + step))
         optimizer.zero_grad()
         loss = pipe.step(inputs if first else None, targets if last else None, zoo.loss_fn)
         optimizer.step()
         losses.append(loss.item())
-        if first and (step % args.log_every == 0 or step == args.steps):
+        if rank == 0 and (step % args.log_every == 0 or step == args.steps):
             now = time.perf_counter()
             done = args.log_every if step % args.log_every == 0 else step % args.log_every
             print(f"step {step:5d}  loss {losses[-1]:.4f}  samples/s {done * args.batch / (now - window):8.1f}",
                   flush=True)
             window = now
-    if first:
+    if rank == 0:
         trace = pipe.trace
         crossed = ", ".join(f"{b['activations'] / 1e3:.1f} kB forward and {b['gradients'] / 1e3:.1f} kB back"
                             for b in trace.boundary_bytes) if trace.messages else "nothing (threads share memory)"
+        reduced = "" if not trace.reductions else "; each stage all-reduced " + ", ".join(
+            f"{r.bytes / 1e3:.1f} kB" for r in trace.reductions) + f" of gradients with its {replicas - 1} replica(s)"
         print(f"# done: {args.steps} steps in {time.perf_counter() - start:.1f} s; loss {losses[0]:.4f} -> "
-              f"{losses[-1]:.4f}; per step each boundary carried {crossed}", flush=True)
+              f"{losses[-1]:.4f}; per step each boundary carried {crossed}{reduced}", flush=True)
         if args.trace_out:
             Path(args.trace_out).write_text(json.dumps(
                 {"stages": trace.stages, "transport": trace.transport, "events": trace.to_records(),
-                 "messages": [asdict(m) for m in trace.messages], "losses": losses}))
+                 "messages": [asdict(m) for m in trace.messages],
+                 "reductions": [asdict(r) for r in trace.reductions], "losses": losses}))
     pipe.close()
     if distributed:
         dist.destroy_process_group()

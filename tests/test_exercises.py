@@ -122,3 +122,18 @@ def test_first_pipe_and_plan_checks():
                 best["time vs one device (theory)"])
     assert "more micro-batches shrink the bubble" in exercises.check_plan(dict(stages=slow["K"], micro_batches=slow["M"], checkpoint=slow["checkpoint"]), rows)
     assert "keys" in exercises.check_plan(dict(stages=4), rows)
+
+
+def test_the_layout_check_weighs_memory_then_time():
+    from lab.replicas import Plan
+    plan = Plan()
+    assert exercises.check_layout((2, 4), plan).startswith("✓ 2 x 4: fits")
+    assert exercises.check_layout([2, 4], plan).startswith("✓")   # a list is a pair too
+    assert "4 workers, but there are 8" in exercises.check_layout((2, 2), plan)
+    assert "123.9 GB per worker, more than the 80 GB" in exercises.check_layout((4, 2), plan)
+    assert "but 2 x 4 also fits and takes 9.459 s" in exercises.check_layout((1, 8), plan)
+    assert "a pair of whole numbers" in exercises.check_layout("2x4", plan)
+    assert exercises.check_layout(..., plan).startswith("… not attempted yet")
+    cheap_links = Plan(bandwidth=1e9)   # slow links: the all-reduce outweighs the bubble it saves
+    assert cheap_links.best() == (1, 8) and "costs more than the bubble it saves" in \
+        exercises.check_layout((2, 4), cheap_links)

@@ -248,3 +248,29 @@ def test_what_the_app_draws_first_loads_without_torch():
                          cwd=Path(__file__).resolve().parent.parent)
     assert out.returncode == 0, out.stderr
     assert "torch" not in out.stdout and "pandas" not in out.stdout, out.stdout
+
+
+def test_layouts_of_workers_trade_cuts_for_all_reduces_and_memory():
+    """lab.replicas.compare on four workers: what each layout sends and holds, measured here."""
+    from lab import replicas
+    from lab.config import RunConfig
+    rows = {r["D x K"]: r for r in replicas.compare(RunConfig(model="mlp", blocks=4, width=32), 4, 16, 2)}
+    assert list(rows) == ["1 x 4", "2 x 2", "4 x 1"]
+    assert [rows[k]["M per replica"] for k in rows] == [8, 4, 2]   # B = b·M·D
+    assert rows["1 x 4"]["bytes all-reduced per worker (ring)"] == 0 < rows["2 x 2"]["bytes all-reduced per worker (ring)"]
+    assert rows["4 x 1"]["bytes across cuts (all replicas)"] == 0 < rows["1 x 4"]["bytes across cuts (all replicas)"]
+    assert rows["1 x 4"]["memory per worker (bytes)"] < rows["4 x 1"]["memory per worker (bytes)"]
+    assert all(r["step ms"] >= r["pipeline ms (replayed)"] > 0 for r in rows.values())
+    with pytest.raises(ValueError, match="does not split into 3 replica"):
+        replicas.micro_batches(16, 2, 3)
+
+
+def test_the_gantt_draws_each_stages_all_reduce_after_its_tasks():
+    from lab import charts, replay
+    events = [dict(stage=s, micro=0, op=op, start=t, end=t + 1.0) for s, op, t in
+              ((0, "F", 0.0), (1, "F", 1.0), (1, "B", 2.0), (0, "B", 3.0))]
+    reductions = [dict(stage=1, start=3.0, end=4.5, bytes=1000), dict(stage=0, start=4.0, end=4.6, bytes=2000)]
+    figure = charts.gantt(replay.measured(events, 2, "measured (2 x 2 mesh)", reductions=reductions))
+    bar = next(t for t in figure.data if t.name == "all-reduce")
+    assert list(bar.y) == ["stage 1", "stage 0"] and list(bar.base) == [3000.0, 4000.0]
+    assert list(bar.x) == pytest.approx([1500.0, 600.0]) and [c[0] for c in bar.customdata] == [1000, 2000]

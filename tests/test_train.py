@@ -26,12 +26,31 @@ def test_threads_and_two_nodes_train_the_same_model():
 
     outputs = two_nodes(["-m", "lab.train", *ARGS], "train-test", timeout=150, done=lambda: False)
     printed = next(out for out in outputs if "# lab.train" in out)  # rank 0's agent
-    assert "processes: 2 ranks over torch.distributed (gloo)" in printed
+    assert "processes: 1 pipeline(s) of 2 ranks over torch.distributed (gloo)" in printed
     assert losses(printed) == expected  # bit for bit the same losses
     assert re.search(r"each boundary carried [\d.]+ kB forward and [\d.]+ kB back", printed)
+
+
+@pytest.mark.timeout(180)
+def test_two_pipelines_as_replicas_train_as_one_pipeline_does():
+    """torchrun --nproc-per-node 4 -m lab.train --stages 2 --data-parallel 2: a 2 x 2 mesh. Each
+    replica takes half of every batch in M micro-batches numbered globally; the losses follow one
+    pipeline of 2M micro-batches (the same dropout masks) up to float32 rounding."""
+    plain = subprocess.run([sys.executable, "-m", "lab.train", *ARGS, "--micro-batches", "16"], cwd=ROOT,
+                           capture_output=True, text=True, timeout=120)
+    mesh = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
+                           "-m", "lab.train", *ARGS, "--stages", "2", "--data-parallel", "2", "--micro-batches", "8"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=150)
+    assert mesh.returncode == 0, mesh.stderr[-3000:]
+    assert "processes: 2 pipeline(s) of 2 ranks over torch.distributed (gloo)" in mesh.stdout
+    assert losses(mesh.stdout) == pytest.approx(losses(plain.stdout), rel=1e-4)
+    assert re.search(r"each stage all-reduced [\d.]+ kB, [\d.]+ kB of gradients with its 1 replica", mesh.stdout)
 
 
 def test_bad_arguments_exit_with_one_line():
     result = subprocess.run([sys.executable, "-m", "lab.train", "--steps", "0"], cwd=ROOT, capture_output=True,
                             text=True, timeout=60)
     assert result.returncode == 2 and "--steps 0: expected >= 1" in result.stderr
+    result = subprocess.run([sys.executable, "-m", "lab.train", "--data-parallel", "2"], cwd=ROOT, capture_output=True,
+                            text=True, timeout=60)
+    assert result.returncode == 2 and "needs one process per stage and replica: torchrun" in result.stderr
