@@ -200,8 +200,9 @@ def plan(base: RunConfig, budget: int, stages=(1, 2, 4), micro=(1, 2, 4, 8), che
     """Predict, before running anything big, each (K, M, recompute): the bytes of the most loaded
     stage (16 bytes per parameter for weights, gradients and Adam's moments, plus the activation
     formula fed with per-layer sizes measured on one micro-batch) and the time per mini-batch in the
-    unit-cost model, relative to one device: (M+K-1)(3+r)/(3KM), r = 1 with recompute (one more
-    forward) else 0. Whether each fits `budget` is the prediction's verdict, to be checked by a run."""
+    unit-cost model, relative to one device (theory.time_vs_one_device: (M+K-1)/(KM) without
+    recompute, a little under (M+K-1)(3+1)/(3KM) with it). Whether each fits `budget` is the
+    prediction's verdict, to be checked by a run."""
     model, (inputs, _), _ = build(base)
     layer_params = [sum(p.numel() for p in layer.parameters()) for layer in model]
     rows = []
@@ -220,6 +221,5 @@ def plan(base: RunConfig, budget: int, stages=(1, 2, 4), micro=(1, 2, 4, 8), che
                 rows.append({"K": k, "M": m, "checkpoint": checkpoint, "predicted bytes (most loaded stage)":
                              round(max(per_stage)), "fits (predicted)": max(per_stage) <= budget,
                              "bubble (theory)": round(theory.bubble(k, m), 3),
-                             "time vs one device (theory)": round((m + k - 1) * (3 + (checkpoint != "never")) /
-                                                                  (3 * k * m), 3)})
+                             "time vs one device (theory)": round(theory.time_vs_one_device(k, m, checkpoint), 3)})
     return rows

@@ -110,17 +110,23 @@ SCHEDULE_PAPERS = {
 }
 
 
-def recompute_overlap_speedup(stages: int, micro_batches: int, checkpoint: str = "always") -> float:
-    """K stages over one device in the unit-cost model (per stage: forward 1, recompute 1, backward
-    2; one device does K times each), both running GPipe's fill-drain order with `checkpoint`.
-    Without recompute this is K*M/(M+K-1); with it, more: stage k's recompute of micro-batch m
-    needs only its kept input, so it runs while stage k+1 still computes the gradient it waits for."""
+def time_vs_one_device(stages: int, micro_batches: int, checkpoint: str = "never") -> float:
+    """A step's time in the unit-cost model, over one device's on the whole mini-batch without
+    recompute (forward 1 + backward 2 = 3 units): GPipe's fill-drain timeline of K stages with
+    `checkpoint`, each task costing its unit (forward 1, recompute 1, backward 2) over K·M. Without
+    recompute (M+K-1)/(KM); with it less than (M+K-1)(3+1)/(3KM), since stage k's recompute of a
+    micro-batch needs only its kept input and runs while stage k+1 still computes the gradient it
+    waits for. The one time model of the lessons and of `fit.plan`."""
     costs = unit_costs("gpipe")
+    times = timeline(gpipe(stages, micro_batches, checkpoint),
+                     lambda stage, task: costs[task.op] / (stages * micro_batches))
+    return max(end for stage in times for _, end in stage) / 3
 
-    def makespan(count: int) -> float:
-        times = timeline(gpipe(count, micro_batches, checkpoint), lambda stage, task: costs[task.op] * stages / count)
-        return max(end for stage in times for _, end in stage)
-    return makespan(1) / makespan(stages)
+
+def recompute_overlap_speedup(stages: int, micro_batches: int, checkpoint: str = "always") -> float:
+    """K stages over one device running the same micro-batches and recompute, in the unit-cost
+    model (time_vs_one_device). Without recompute this is K*M/(M+K-1); with it, more (the overlap)."""
+    return time_vs_one_device(1, micro_batches, checkpoint) / time_vs_one_device(stages, micro_batches, checkpoint)
 
 
 def why_cells_exceed() -> str:
