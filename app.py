@@ -360,8 +360,8 @@ def open_page() -> tuple[Optional[RunConfig], object]:
     if not measured(config):
         sketch = replay.theory(config.stages, micro_batch_count(config), config.checkpoint, schedule=config.schedule,
                                virtual=config.virtual_stages)
-        chart.plotly_chart(charts.gantt(sketch, title=f"{sketch.label}: measuring this host now..."),
-                           key="live-theory")
+        # an SVG, not Plotly: the browser draws it before it has loaded Plotly's script (seconds here)
+        chart.markdown(charts.gantt_svg(sketch, f"{sketch.label}: measuring this host now..."), unsafe_allow_html=True)
     return config, chart
 
 

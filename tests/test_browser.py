@@ -98,7 +98,8 @@ def alive(pid: int) -> bool:
 
 
 GANTT_TITLE = f"() => {GANTT}.layout.title.text"
-FIRST_CHART = f"() => {{ const p = {GANTT}; return p && p.data && p.data.length > 0; }}"
+FIRST_CHART = (f"() => {{ const p = {GANTT}; return !!document.querySelector('svg.gantt-sketch rect') "
+               f"|| !!(p && p.data && p.data.length > 0); }}")
 SPEEDUP = "() => [...document.querySelectorAll('[data-testid=stMetric]')].map(m => m.innerText)" \
           ".find(t => t.startsWith('speedup over K=1'))"
 CUT_OFF = ("() => [...document.querySelectorAll('[data-testid=stMain] *')].filter(e => "
@@ -121,11 +122,11 @@ def first_chart_seconds(browser, url: str, width: int):
 
 @pytest.mark.timeout(420)
 def test_a_fresh_server_draws_a_chart_at_once_and_a_speedup_of_about_1_5(tmp_path):
-    """Three fresh server starts, as a learner meets the lab. The first chart (the theory diagram,
-    then the warm-up step live) shows within 3 s of what this host's browser alone needs to draw
-    the page, measured right after in a second tab that the server answers from its cache: a cold
-    server (torch loading, stage processes starting) must not hold the page back, as it did by
-    9-10 s when every chart waited for them. The speedup shown on the defaults (a median over
+    """Three fresh server starts, as a learner meets the lab. The first chart (the theory diagram as
+    an SVG, which needs no Plotly script, then the warm-up step live) shows within 5 s of opening
+    the page, and within 3 s of what this host's browser needs to draw the page that a second tab
+    gets from the server's cache: a cold server (torch loading, stage processes starting) must not
+    hold the page back, as it did by 9-10 s when every chart waited for them. The speedup shown on the defaults (a median over
     rounds, each a K=2 step beside a K=1 step) has a median of at least 1.4x over the three starts
     and is never below 1.2x (per-round ratios on a busy 2-core host range about 1.2-1.75x). The
     metrics are readable at 1400 px and on a 1280 px laptop; the terminal stays clean. Seconds and
@@ -154,7 +155,7 @@ def test_a_fresh_server_draws_a_chart_at_once_and_a_speedup_of_about_1_5(tmp_pat
     print(f"first chart after {[round(t, 1) for t in colds]} s on a fresh server, "
           f"{[round(t, 1) for t in warms]} s on a warm one; speedups {speedups}")
     for cold, warm in zip(colds, warms):
-        assert cold < warm + 3, f"the first chart took {cold:.1f} s; from a warm server {warm:.1f} s"
+        assert cold < 5 and cold < warm + 3, f"the first chart took {cold:.1f} s; from a warm server {warm:.1f} s"
     assert sorted(speedups)[1] >= 1.4 and min(speedups) >= 1.2, f"speedup over K=1 on first load: {speedups}"
 
 

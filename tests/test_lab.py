@@ -274,3 +274,15 @@ def test_the_gantt_draws_each_stages_all_reduce_after_its_tasks():
     bar = next(t for t in figure.data if t.name == "all-reduce")
     assert list(bar.y) == ["stage 1", "stage 0"] and list(bar.base) == [3000.0, 4000.0]
     assert list(bar.x) == pytest.approx([1500.0, 600.0]) and [c[0] for c in bar.customdata] == [1000, 2000]
+
+
+def test_the_first_drawing_is_an_svg_gantt_of_the_same_timeline():
+    """What the app shows before Plotly's script has loaded: the theory diagram as plain SVG."""
+    from lab import charts, replay
+    line = replay.theory(3, 4, "except_last")
+    svg = charts.gantt_svg(line, "theory <K=3>")
+    assert svg.startswith('<svg class="gantt-sketch"') and svg.endswith("</svg>") and "theory &lt;K=3&gt;" in svg
+    bars = [part for part in svg.split("<rect")[1:] if "<title>" in part]
+    assert len(bars) == len(line.bars) == 3 * (4 + 3 + 4)
+    assert sum(charts.OPS["R"][1] in bar for bar in bars) == 3 * 3   # recompute bars, coloured as in gantt
+    assert all(f"stage {k}</text>" in svg for k in range(3)) and f"bubble {line.bubble:.0%}" in svg
