@@ -3,6 +3,7 @@
     from engine import GPipe, balance_by_time, balance_by_size
     GPipe(model, balance, ...)                       # stages as threads of this process
     GPipe(model, balance, ..., group=dist.group.WORLD)  # one process per stage (under torchrun)
+    GPipe(model, balance, ..., group=pp, data_parallel=dp)  # D pipelines as replicas
     ProcessPool(stages)                              # K local stage processes driven from here
 
 Every name here loads the first time it is asked for: `engine.schedule` and `engine.trace` need no
@@ -13,6 +14,7 @@ from importlib import import_module
 
 _HOMES = {"GPipe": "pipe", "balance_by_time": "balance", "balance_by_size": "balance", "StageFailed": "transport",
           "Trace": "trace", "Event": "trace", "Message": "trace", "StageMemory": "trace",
+          "Reduction": "trace",
           "ProcessPool": "distributed.pool", "StageProcessError": "distributed.pool"}
 __all__ = list(_HOMES)
 
