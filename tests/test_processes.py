@@ -187,6 +187,20 @@ def test_a_rank_killed_on_another_node_is_raised_by_the_survivor_within_15_secon
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.parametrize("lane", ["shm", "gloo"])
+def test_a_pool_closes_without_waiting_out_a_timeout(batch, lane):
+    """Closing ends the lane's threads as soon as the goodbyes are through: a sender thread that
+    waited on a send forever used to hold every close for the 5 s join timeout."""
+    x, y = batch
+    pool = ProcessPool(2, lane=lane)
+    pool.build("conftest:mlp", {}, chunks=4)
+    pool.step(x, y, LOSS)
+    start = time.monotonic()
+    pool.close()
+    assert time.monotonic() - start < 3, f"closing took {time.monotonic() - start:.1f} s"
+
+
+@pytest.mark.timeout(120)
 def test_a_killed_stage_process_is_reported_and_the_pool_leaves_nothing(batch):
     x, y = batch
     before = shm_files()

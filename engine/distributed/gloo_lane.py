@@ -66,7 +66,8 @@ class GlooLane:
         # only, so no two ranks can both wait on sends posted first; headers go on gloo
         self.tensor_groups = edge_groups(pipelines, members, len(members), wraps) if nccl else {}
         self._events: queue.SimpleQueue = queue.SimpleQueue()  # (link, slot) or (None, error, peer)
-        self._in_flight: collections.deque = collections.deque()  # (works, buffers, peer) of sends not yet reaped
+        self._in_flight: collections.deque = collections.deque()  # (gloo works, NCCL works, buffers, peer) of sends
+        # not yet reaped
         self._reap = threading.Condition()           # wakes the sender thread: reap what is in flight
         self._wakes = 0
         self._closed = False
@@ -90,8 +91,10 @@ class GlooLane:
         else:
             frame, tensors = wire.encode(step, kind, micro, chunk, decision, value, inline=False)
             (group, peer), tag = edge, 0
-        works = [self.wire.send([frame], destination, HEADER_TAG)] + [group.send([t], peer, tag) for t in tensors]
-        self._in_flight.append((works, (frame, tensors), destination))
+        header = self.wire.send([frame], destination, HEADER_TAG)
+        payload = [group.send([t], peer, tag) for t in tensors]
+        gloo, nccl = ([header], payload) if edge is not None else ([header, *payload], [])
+        self._in_flight.append((gloo, nccl, (frame, tensors), destination))
         if len(self._in_flight) > REAP_AFTER:
             self._wake_sender()
 
@@ -199,17 +202,19 @@ class GlooLane:
                 self._reap.wait_for(lambda: self._wakes > seen)
                 seen = self._wakes
             while self._in_flight:
-                works, _buffers, destination = self._in_flight[0]
+                gloo, nccl, _buffers, destination = self._in_flight[0]
                 try:
-                    until_completed(works, pause_cap=1e-3)  # NCCL's wait() would not wait for the buffers' release
-                    for work in works:
+                    for work in gloo:  # returns once gloo has sent the buffer (is_completed() would never say so)
+                        work.wait()
+                    until_completed(nccl, pause_cap=1e-3)  # NCCL's wait() returns at once, before the send is done
+                    for work in nccl:
                         work.wait()
                 except Exception as error:
                     if not self._closed:
                         self._events.put((None, error, destination))
                     return
                 self._in_flight.popleft()
-                del works, _buffers
+                del gloo, nccl, _buffers
             if self._closed:
                 return
 
@@ -223,7 +228,7 @@ class GlooLane:
         for link in self._links:
             try:
                 for _ in range(PREPOSTED):
-                    self._in_flight.append(([self.wire.send([frame], link.peer, HEADER_TAG)], frame, link.peer))
+                    self._in_flight.append(([self.wire.send([frame], link.peer, HEADER_TAG)], [], frame, link.peer))
             except Exception:
                 pass  # that neighbour is gone: nothing waits on the connection any more
         while True:  # frames still unread: give their slots back to the listeners

@@ -1,8 +1,9 @@
 """Waiting on the host for torch.distributed works (collectives, sends, receives).
 
 NCCL's `work.wait()` only makes a CUDA stream wait and returns at once, so the host cannot tell
-from it that the data has arrived, nor that a buffer may be released; gloo's blocks without a way
-to look for failures elsewhere. Polling `is_completed()` serves both.
+from it that the data has arrived, nor that a buffer may be released; a gloo collective's blocks
+without a way to look for failures elsewhere. Polling `is_completed()` serves both. Not for gloo's
+point-to-point sends and receives: their `is_completed()` stays False (only `wait()` finishes them).
 """
 from __future__ import annotations
 
