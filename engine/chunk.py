@@ -103,8 +103,9 @@ class Chunk:
 
     def run(self, task: Task, received) -> Optional[tuple[int, tuple, Value]]:
         """Run one task. `received` is what the upstream chunk sent for it (activation for F on a
-        later chunk, gradient for B on an earlier one; already safe to use on this stage), else None. Returns the message for a
-        neighbouring chunk, (chunk, key, value), if the task produced one."""
+        later chunk, gradient for B on an earlier one; already safe to use on this stage), else
+        None. Returns the message for a neighbouring chunk, (chunk, key, value), if the task produced
+        one."""
         run = {"F": self._forward, "R": self._recompute, "B": self._backward, "W": self._weights}[task.op]
         return run(task.micro, received)
 

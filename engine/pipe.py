@@ -122,10 +122,10 @@ class GPipe(nn.Module):
         `loss_fn(output_chunk, target_chunk)` must return the mean loss of a micro-batch; each is
         weighted by its share of the mini-batch, so the gradients are those of the mean over the
         whole mini-batch. Returns that mini-batch loss (a detached scalar on the last device; with
-        stages as processes, on every rank; with data_parallel=, the mean over the global batch). `on_event`, if given, is called with each task's Event
-        as it finishes. `serial=True` runs the tasks one at a time on the calling thread (same
-        results; each task timed alone, as an ideal replay on a host with fewer cores than stages
-        needs).
+        stages as processes, on every rank; with data_parallel=, the mean over the global batch).
+        `on_event`, if given, is called with each task's Event as it finishes. `serial=True` runs
+        the tasks one at a time on the calling thread (same results; each task timed alone, as an
+        ideal replay on a host with fewer cores than stages needs).
         """
         if serial and self.rank is not None:
             raise ValueError("serial=True runs every stage on the calling thread; with group= each rank "
@@ -194,7 +194,7 @@ class GPipe(nn.Module):
                                  f"mini-batch's targets there (other ranks may pass None)")
             check_targets(targets, decision.batch)
             micro_targets = scatter(targets, self.chunks)
-        replicas = getattr(self._runner, "replicas", None)
+        replicas = self._runner.replicas
         return Call(kind=kind, decision=decision, sizes=tuple(sizes),
                     micro_offset=0 if replicas is None else replicas.index * len(sizes),
                     schedule=self.task_lists(len(sizes), training), checkpoint=self.checkpoint,

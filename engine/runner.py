@@ -34,8 +34,9 @@ def run_tasks(local: LocalStages, work: Iterable[tuple[int, Task]], transport,
               settle: bool = False) -> list[Mark]:
     """Run `work`, (stage, task) pairs, in order on the calling thread, each under its stage's device
     setup; return their (task, start, end) marks. `on_mark(stage, task, start, end)` is told of each
-    as it ends. `settle` waits for each task's GPU work before the next starts (a serial run). A failure is re-raised with `prefix` and its place in the message; Aborted (another
-    stage failed) is passed on as it is."""
+    as it ends. `settle` waits for each task's GPU work before the next starts (a serial run). A
+    failure is re-raised with `prefix` and its place in the message; Aborted (another stage failed)
+    is passed on as it is."""
     marks: list[Mark] = []
     current, setup, stage, task = None, ExitStack(), None, None
     try:
@@ -68,9 +69,8 @@ def run_tasks(local: LocalStages, work: Iterable[tuple[int, Task]], transport,
 
 
 def events_of(local: LocalStages, marks: list[Mark], on_event: EventCallback) -> list[Event]:
-    """The timed events of a call's marks, in start order. On CUDA the times are known only now: it
-    waits for every task's end on the GPU (so the stages' results are ready after it), and the
-    callback hears of them now rather than live."""
+    """The timed events of a call's marks, in start order. On CUDA the times are known only now
+    (it waits for the GPU), so the callback hears of them now rather than live."""
     events = [local.chunks[task.chunk].event(task, a, b, timed=True) for task, a, b in marks]
     events.sort(key=lambda e: (e.start, e.stage))
     if on_event is not None and any(device.is_cuda for device in local.devices.values()):
@@ -92,6 +92,8 @@ def live(local: LocalStages, on_event: EventCallback):
 
 class ThreadRunner:
     """Runs every stage of a call in this process: on K worker threads, or serially on the caller's."""
+
+    replicas = None  # data parallelism needs stages as processes (engine/distributed/runner.py)
 
     def __init__(self, local: LocalStages, stages: int):
         self.local, self.stages = local, stages
@@ -123,11 +125,12 @@ class ThreadRunner:
             if self._threads is None:
                 self._threads = StageThreads(self.stages)
             marks = self._threads.run(self.local, call.schedule, transport, on_event)
-        events = events_of(self.local, marks, on_event)  # on CUDA this waits for the stages' streams, so
-        wall = time.perf_counter() - t0                   # what follows reads finished losses and outputs
+        self.local.settle()
+        wall = time.perf_counter() - t0
         result = self.local.conclude(call)
         trace = Trace(stages=self.stages, micro_batches=call.micro_batches, batch_size=call.decision.batch,
-                      checkpoint=call.checkpoint, kind=("serial " if serial else "") + call.kind, events=events,
+                      checkpoint=call.checkpoint, kind=("serial " if serial else "") + call.kind,
+                      events=events_of(self.local, marks, on_event),
                       memory=[self.local.memory(stage) for stage in self.local.devices], wall=wall)
         return result, trace
 

@@ -53,6 +53,12 @@ class LocalStages:
                 chunk.start(call, ledger)
         return t0
 
+    def settle(self) -> None:
+        """Wait until every stage's queued GPU work has run (nothing to wait for on CPU): losses,
+        outputs and gradients are read only after it."""
+        for device in self.devices.values():
+            device.settle()
+
     def conclude(self, call: Call):
         """After every task ran: deferred batch norm's statistics, and the call's result if this
         process holds the last chunk (the mini-batch loss of a step, the joined outputs of a forward)."""

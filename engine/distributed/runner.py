@@ -91,7 +91,8 @@ class RankRunner:
         self.origin = t0 - self.transport.clock_offset
         marks = run_tasks(self.local, [(rank, task) for task in call.schedule[rank]], self.transport,
                           live(self.local, on_event), prefix=self.prefix)
-        events = events_of(self.local, marks, on_event)  # on CUDA: waits until the stage's gradients are written
+        self.local.settle()  # the stage's gradients are written before the replicas sum them
+        events = events_of(self.local, marks, on_event)
         shard = call.decision.batch
         reducing = self.replicas is not None and call.training
         pending = self.replicas.start(self.local.parameters(), shard) if reducing else None  # overlaps the drain
