@@ -5,7 +5,7 @@ traces are in order, and, on a host with GPUs, the same on the GPUs (one GPU sha
 stages, a hop to the host, serial timing, stage processes on GPUs, NCCL with two GPUs, and the
 reproduction CLI). The exit code is 0 only if every row passed.
 
-    python -m lab.doctor            # about half a minute on a 2-core CPU host
+    python -m lab.doctor            # under ten seconds on a 2-core CPU host
     python -m lab.doctor --no-cli   # leave out the slowest GPU row (lab.reproduce --quick on cuda)
 """
 from __future__ import annotations
@@ -76,11 +76,6 @@ def tanh_stack(layers: int = 6, width: int = 32, dtype: torch.dtype = torch.floa
                          nn.Linear(width, 4)).to(dtype)
 
 
-def recipe(layers: int = 6, width: int = 32, seed: int = 0) -> nn.Sequential:
-    """The same model as a recipe that stage processes import by name."""
-    return tanh_stack(layers, width, seed=seed)
-
-
 def batch(width: int = 32, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
     generator = torch.Generator().manual_seed(1)
     return torch.randn(BATCH, width, generator=generator, dtype=dtype), torch.randint(0, 4, (BATCH,), generator=generator)
@@ -132,19 +127,21 @@ def threads_equal_one_stage() -> str:
     return "K=2 as threads gives K=1's gradients bit for bit"
 
 
-def processes_equal_threads(lane: str) -> Check:
+def processes_equal_threads(lane: str = "auto", device: str = "cpu") -> Check:
+    """K=2 as two stage processes (ProcessPool, the model built from this module by name) against
+    the same step as threads on the same devices: the losses must be equal bit for bit."""
     def check() -> str:
         from engine.distributed.pool import ProcessPool
         x, y = batch()
-        threads = GPipe(tanh_stack(), 2, devices="cpu", chunks=MICRO, threads_per_stage=1)
-        expected = threads.step(x, y, nn.functional.cross_entropy)
+        threads = GPipe(tanh_stack(), 2, devices=device, chunks=MICRO, threads_per_stage=1)
+        expected = threads.step(x, y, nn.functional.cross_entropy).cpu()
         threads.close()
-        with ProcessPool(2, timeout=60, lane=lane) as pool:
-            pool.build("lab.doctor:recipe", {}, chunks=MICRO)
-            loss = pool.step(x, y, nn.functional.cross_entropy)
+        with ProcessPool(2, timeout=120, lane=lane, device=device) as pool:
+            pool.build("lab.doctor:tanh_stack", {}, chunks=MICRO)
+            loss = pool.step(x, y, nn.functional.cross_entropy).cpu()
             used = pool.trace.lane
         assert torch.equal(loss, expected), f"processes' loss {loss.item()!r}, threads' {expected.item()!r}"
-        return f"K=2 as two processes ({used} lane): the threads' loss bit for bit"
+        return f"K=2 as two processes on {device} ({used} lane): the threads' loss bit for bit"
     return check
 
 
@@ -206,20 +203,6 @@ def serial_alone() -> str:
     return f"{len(events)} tasks of a serial run, none overlapping another"
 
 
-def processes_on_gpus() -> str:
-    from engine.distributed.pool import ProcessPool
-    x, y = batch()
-    gpus = torch.cuda.device_count()
-    threads = GPipe(tanh_stack(), 2, devices=[f"cuda:{k % gpus}" for k in range(2)], chunks=MICRO)
-    expected = threads.step(x, y, nn.functional.cross_entropy).cpu()
-    threads.close()
-    with ProcessPool(2, timeout=120, device="cuda") as pool:
-        pool.build("lab.doctor:recipe", {}, chunks=MICRO)
-        loss = pool.step(x, y, nn.functional.cross_entropy).cpu()
-    assert torch.equal(loss, expected), f"processes' loss {loss.item()!r}, threads' {expected.item()!r}"
-    return f"2 stage processes on {min(2, gpus)} GPU(s), gloo through host memory: the threads' loss bit for bit"
-
-
 def run_module(args: list[str], timeout: float, env: Optional[dict] = None) -> str:
     """Run `python args...` (a torchrun or lab command) in the project; its output, or an error with it."""
     done = subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout,
@@ -263,7 +246,7 @@ def plan(cli: bool = True) -> tuple[list[tuple[str, Check]], list[str]]:
                ("trace order, GPU", trace_in_order("cuda")),
                ("hop GPU to CPU", hop_to_host),
                ("serial timing, GPU", serial_alone),
-               ("processes on GPUs", processes_on_gpus)]
+               ("processes on GPUs", processes_equal_threads(device="cuda"))]
     if torch.cuda.device_count() >= 2:
         checks.append(("NCCL, 2 GPUs", nccl_two_gpus))
     else:

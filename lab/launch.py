@@ -43,8 +43,9 @@ def two_nodes(script_args: list[str], rdzv_id: str, timeout: float, done: Callab
     for minutes). Returns each agent's output."""
     port = port or free_port()
     logs = [tempfile.TemporaryFile("w+") for _ in range(2)]
-    nodes = [subprocess.Popen(agent_command(script_args, port, rdzv_id, per_node=per_node, agent_args=agent_args), cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
-                              text=True, start_new_session=True, env={**os.environ, **(env or {})}) for log in logs]
+    command = agent_command(script_args, port, rdzv_id, per_node=per_node, agent_args=agent_args)
+    nodes = [subprocess.Popen(command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, text=True,
+                              start_new_session=True, env={**os.environ, **(env or {})}) for log in logs]
     try:
         deadline = time.monotonic() + timeout
         while not done() and any(node.poll() is None for node in nodes) and time.monotonic() < deadline:
@@ -87,6 +88,7 @@ def train_on_this_host(train_args: list[str], processes: int, timeout: float = 1
                    "-m", "lab.train", *train_args, "--trace-out", str(path)]
         done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
         if not path.exists():
-            raise RuntimeError(f"the run wrote no trace (exit code {done.returncode}):\n{done.stdout}\n{done.stderr[-3000:]}")
+            raise RuntimeError(f"the run wrote no trace (exit code {done.returncode}):\n{done.stdout}\n"
+                               f"{done.stderr[-3000:]}")
         trace = json.loads(path.read_text())
     return {**trace, "output": done.stdout, "command": shlex.join(["torchrun", *command[3:-2]])}
