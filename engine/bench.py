@@ -136,7 +136,8 @@ SMALL = dict(width=256, layers=8, batch=64, chunks=8)  # the model a learner's l
 
 
 def run(width: int, layers: int, batch: int, rounds: int, checkpoint: str, pool: ProcessPool,
-        small: dict = SMALL, gloo_pool: ProcessPool = None) -> list[tuple[str, str, str]]:
+        small: dict = SMALL, gloo_pool: ProcessPool = None, sleepy_pool: ProcessPool = None
+        ) -> list[tuple[str, str, str]]:
     """Measure every configuration and return the table rows (what, measured, target)."""
     cores = cpu_cores()
     torch.manual_seed(1)
@@ -158,7 +159,8 @@ def run(width: int, layers: int, batch: int, rounds: int, checkpoint: str, pool:
         "dropout seed=0": engine_step(dropout_model, 2, 32, 1, checkpoint=checkpoint, seed=0),
     })
     times = measure(steps, x, y, rounds)
-    small_times, small_traces = measure_small({"shared memory": pool, "gloo": gloo_pool}, small, rounds)
+    lanes = {"shared memory": pool, "shared memory, waits asleep": sleepy_pool, "gloo": gloo_pool}
+    small_times, small_traces = measure_small(lanes, small, rounds)
     times.update(small_times)
     rate = {name: batch / statistics.median(t) for name, t in times.items() if not name.startswith("small")}
     one_core = "K=1 M=32 1 thread(s)"
@@ -174,6 +176,9 @@ def run(width: int, layers: int, batch: int, rounds: int, checkpoint: str, pool:
          ">= 1.8x"),
         (f"**small model ({shape}): K=2 processes over K=1, shared memory**",
          f"**{ratio(times, 'small K=2 processes, shared memory', 'small K=1')}**", ">= 1.4x"),
+        ("small model: K=2 processes over K=1, shared memory, every wait asleep at once",
+         ratio(times, 'small K=2 processes, shared memory, waits asleep', 'small K=1'),
+         "without the lane's spin before it sleeps (ProcessPool(spin=0))"),
         ("small model: K=2 processes over K=1, gloo", ratio(times, 'small K=2 processes, gloo', 'small K=1'),
          "the lane between hosts, here on loopback"),
         ("small model: K=2 threads over K=1", ratio(times, 'small K=2 threads', 'small K=1'),
@@ -186,7 +191,7 @@ def run(width: int, layers: int, batch: int, rounds: int, checkpoint: str, pool:
          "goal: under 30 us each side; medians over the steps' traces"),
         ("small model, gloo: stage-thread time per message", per_message(small_traces["gloo"]),
          "2 messages per micro-batch and cut"),
-        ("ping-pong between two stage processes, one way: 1 float, 8 x 256 floats", ping_pong(pool, gloo_pool),
+        ("ping-pong between two stage processes, one way: 1 float, 8 x 256 floats", ping_pong(lanes),
          "through the pipe's transport; mean of 2000 round trips"),
         ("ceiling: both halves on 2 threads, no pipeline", ratio(times, 'ceiling', one_core),
          "what 2 cores of this host give with no data dependencies"),
@@ -228,14 +233,10 @@ def measure_small(pools: dict[str, ProcessPool], small: dict, rounds: int):
     return times, traces
 
 
-def ping_pong(*pools: ProcessPool) -> str:
+def ping_pong(pools: dict[str, ProcessPool]) -> str:
     """One-way time of a message between the two stage processes of each pool, small and larger."""
-    return "; ".join(f"{pool_lane(pool)}: " + ", ".join(f"{pool.ping(2000, numel) * 1e6:.0f} us" for numel in (1, 8 * 256))
-                     for pool in pools)
-
-
-def pool_lane(pool: ProcessPool) -> str:
-    return "gloo" if pool.lane == "gloo" else "shared memory"
+    return "; ".join(f"{name}: " + ", ".join(f"{pool.ping(2000, numel) * 1e6:.0f} us" for numel in (1, 8 * 256))
+                     for name, pool in pools.items())
 
 
 def per_message(traces: list) -> str:
@@ -274,8 +275,9 @@ def main(argv=None) -> None:
     print(f"# host: {platform.processor() or platform.machine()}, {cpu_cores()} cores; torch {torch.__version__}; "
           f"malloc {'keeps freed memory (all rows)' if tuned else 'glibc defaults'}")
     with ProcessPool(2, threads_per_stage=1, keep_freed_memory=tuned) as pool, \
+            ProcessPool(2, threads_per_stage=1, keep_freed_memory=tuned, spin=0.0) as sleepy_pool, \
             ProcessPool(2, threads_per_stage=1, keep_freed_memory=tuned, lane="gloo") as gloo_pool:
-        print(format_table(run(width, layers, batch, rounds, args.checkpoint, pool, small, gloo_pool)))
+        print(format_table(run(width, layers, batch, rounds, args.checkpoint, pool, small, gloo_pool, sleepy_pool)))
 
 
 if __name__ == "__main__":

@@ -328,3 +328,38 @@ def test_larger_values_and_more_messages_than_slots_travel_through_shared_memory
         reference.zero_grad()
         LOSS(reference(x[:size]), y[:size]).backward()
         assert all(torch.allclose(g, p.grad, rtol=1e-5, atol=1e-7) for g, p in zip(grads, reference.parameters()))
+
+
+def test_a_waiting_stage_spins_only_where_every_stage_has_a_core(monkeypatch):
+    """Spin, then sleep: on 2 cores two one-thread stage processes poll before they sleep; three,
+    or two of two threads each, would take a core another stage needs, so they sleep at once.
+    GPIPE_SPIN_SECONDS (what ProcessPool(spin=) sets) overrides the rule; a bad value is named."""
+    from engine.distributed import shm_lane
+    monkeypatch.delenv("GPIPE_SPIN_SECONDS", raising=False)
+    monkeypatch.setattr(shm_lane, "cpu_cores", lambda: 2)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
+    assert shm_lane.spin_for(2) == shm_lane.SPIN_SECONDS > 0
+    assert shm_lane.spin_for(3) == 0
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    assert shm_lane.spin_for(2) == 0
+    for asked, seconds in (("0", 0.0), ("0.01", 0.01)):
+        monkeypatch.setenv("GPIPE_SPIN_SECONDS", asked)
+        assert shm_lane.spin_for(5) == seconds
+    for bad in ("soon", "-1", "2"):
+        monkeypatch.setenv("GPIPE_SPIN_SECONDS", bad)
+        with pytest.raises(ValueError, match=f"GPIPE_SPIN_SECONDS={bad!r}"):
+            shm_lane.spin_for(2)
+    with pytest.raises(ValueError, match="spin=-0.5"):
+        ProcessPool(2, spin=-0.5)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("spin", [0.0, 0.05])
+def test_stages_that_sleep_at_once_or_spin_long_train_bitwise_like_threads(batch, spin):
+    x, y = batch
+    with ProcessPool(2, spin=spin) as pool:
+        pool.build("conftest:mlp", {}, balance=2, chunks=4, optimizer=("torch.optim.SGD", {"lr": 0.1}))
+        losses = [pool.step(x, y, LOSS) for _ in range(2)]
+        model, expected = threads_run(mlp(), batch, 2, balance=2, chunks=4)
+        assert [l.item() for l in losses] == [l.item() for l in expected]
+        assert all(torch.equal(a, b) for a, b in zip(pool.parameters(), model.parameters()))

@@ -43,12 +43,16 @@ class StageProcessError(ChildFailed):
 class ProcessPool:
     """K stage processes on this machine, one per stage, meeting over gloo on loopback. `device`
     says where every stage computes: "cpu" (the default, whatever the host has), or "cuda" (stage
-    k on GPU k mod the GPUs visible; values cross through host memory, since the group is gloo)."""
+    k on GPU k mod the GPUs visible; values cross through host memory, since the group is gloo).
+    `spin` is how many seconds a stage waiting on the shared-memory lane polls before it sleeps;
+    None lets the lane decide (engine/distributed/shm_lane.py: only where every stage has a core)."""
 
     def __init__(self, stages: int, threads_per_stage: int = 1, keep_freed_memory: bool = True,
-                 timeout: float = 300.0, device: str = "cpu", lane: str = "auto"):
+                 timeout: float = 300.0, device: str = "cpu", lane: str = "auto", spin: Optional[float] = None):
         if isinstance(stages, bool) or not isinstance(stages, int) or stages < 1:
             raise ValueError(f"stages={stages!r}: expected an int >= 1 (one process per stage)")
+        if spin is not None and not 0 <= spin < 1:
+            raise ValueError(f"spin={spin!r}: expected None (the lane decides) or seconds from 0 to under 1")
         self.stages, self.timeout, self.device, self.lane = stages, timeout, device, lane
         self.trace: Optional[Trace] = None
         self.losses: list = []
@@ -60,7 +64,8 @@ class ProcessPool:
         self._children = Children("engine.distributed.pool:StageServer",
                                   [(rank, stages, self._store.port, threads_per_stage, keep_freed_memory, device)
                                    for rank in range(stages)], name="stage", timeout=timeout,
-                                  env={"GPIPE_SHM_PREFIX": self._shm_prefix, "GPIPE_LANE": lane})
+                                  env={"GPIPE_SHM_PREFIX": self._shm_prefix, "GPIPE_LANE": lane,
+                                       **({} if spin is None else {"GPIPE_SPIN_SECONDS": repr(float(spin))})})
         self._ask([("ready", ())] * stages, timeout=START_SECONDS)
 
     @property

@@ -11,6 +11,13 @@ the payload out of its slot and files it: no listener thread, no hand-over of th
 lock. A slot is written again only in a later call, and a call's end waves guarantee that every
 message of it has been read by then.
 
+Spin, then sleep (as NCCL and MPI wait): when every stage process of the host has cores of its
+own, a waiting stage polls without sleeping for up to SPIN_SECONDS before it sleeps in poll. A
+stage that sleeps must be woken, and on a virtual machine that is slow: one way, a message took
+130 to 180 us to a sleeping stage and 40 to 70 us to a spinning one on a 2-core host (`python -m
+engine.bench`, its ping-pong row). Where stages share cores, a spinning stage would take the core
+that the stage it waits for needs, so the lane sleeps at once (`spin_for`).
+
 Nothing stays in /dev/shm: a FIFO's name is removed once both ends are open, a segment's once its
 receiver has mapped it (the memory lives on until both processes let go of it or die). A sender
 that dies closes its end of the FIFO, so its receiver reads end-of-file at once and reports the
@@ -29,13 +36,32 @@ import time
 from typing import Callable
 
 import numpy as np
+import torch
 
+from ..device import cpu_cores
 from . import wire
 from .wire import Arrival, Lost
 
 SHM = "/dev/shm"
 RECORD = struct.Struct("<IIQ")  # bytes of the record, segment generation, payload offset; then the header
 MIN_SLOTS = 4
+SPIN_SECONDS = 0.002  # how long a waiting stage polls before it sleeps, when it has a core of its own
+
+
+def spin_for(processes: int) -> float:
+    """How long a waiting stage spins: GPIPE_SPIN_SECONDS if set (0 never spins; benchmarks set
+    both), else SPIN_SECONDS if `processes` ranks on this host, each with this process's intra-op
+    threads, leave every one a core of its own, else 0 (spinning would take a core another needs)."""
+    asked = os.environ.get("GPIPE_SPIN_SECONDS")
+    if asked is not None:
+        try:
+            seconds = float(asked)
+        except ValueError:
+            seconds = -1.0
+        if not 0 <= seconds < 1:
+            raise ValueError(f"GPIPE_SPIN_SECONDS={asked!r}: expected seconds from 0 to under 1")
+        return seconds
+    return SPIN_SECONDS if processes * torch.get_num_threads() <= cpu_cores() else 0.0
 
 
 def available() -> bool:
@@ -129,12 +155,14 @@ class _Inbox:
 class ShmLane:
     """This rank's shared-memory connections to its neighbouring stages (see the module docstring).
     `store` is the pipe's Store, `prefix` names its files in /dev/shm (every rank of the pipe is
-    given the same), `on_stall` is called while a full FIFO keeps a sender waiting."""
+    given the same), `on_stall` is called while a full FIFO keeps a sender waiting, `spin` is how
+    many seconds a wait polls before it sleeps (0: sleep at once)."""
 
     name = "shared memory"
 
-    def __init__(self, rank: int, peers: list[int], store, prefix: str, on_stall: Callable[[], None]):
-        self.rank, self.prefix, self.on_stall = rank, prefix, on_stall
+    def __init__(self, rank: int, peers: list[int], store, prefix: str, on_stall: Callable[[], None],
+                 spin: float = 0.0):
+        self.rank, self.prefix, self.on_stall, self.spin = rank, prefix, on_stall, spin
         self._poller = select.poll()
         self._inboxes: dict[int, _Inbox] = {}
         for peer in peers:  # make and open the FIFOs this rank reads, then say so
@@ -186,7 +214,7 @@ class ShmLane:
         """The messages that arrived, read and copied out on the calling (stage) thread; [] after
         `timeout` seconds without one. Raises Lost if a neighbour closed its end without a goodbye."""
         arrivals = []
-        for fd, _ in self._poller.poll(timeout * 1e3):
+        for fd, _ in self._ready(timeout):
             inbox = self._inboxes[fd]
             try:
                 chunk = os.read(fd, 1 << 16)
@@ -200,6 +228,17 @@ class ShmLane:
             inbox.pending += chunk
             arrivals += self._records(inbox)
         return arrivals
+
+    def _ready(self, timeout: float) -> list[tuple[int, int]]:
+        """The FIFOs with something to read: polled without sleeping for `self.spin` seconds, then
+        waited for, asleep, for up to `timeout` seconds."""
+        if self.spin:
+            until = time.perf_counter() + self.spin
+            while time.perf_counter() < until:
+                ready = self._poller.poll(0)
+                if ready:
+                    return ready
+        return self._poller.poll(timeout * 1e3)
 
     def _records(self, inbox: _Inbox) -> list[Arrival]:
         arrivals = []

@@ -166,7 +166,7 @@ class ProcessTransport:
                 self.store.set("shm/prefix", f"{shm_prefix()}-{uuid.uuid4().hex[:12]}-")
             prefix = self.store.get("shm/prefix").decode()
             return shm_lane.ShmLane(self.ranks.rank, peers, self.store, f"{shm_lane.SHM}/{prefix}",
-                                    on_stall=self.check_failures)
+                                    on_stall=self.check_failures, spin=shm_lane.spin_for(len(world.clocks)))
         if asked == "shm":
             raise ValueError("GPIPE_LANE=shm but the ranks are not all on this host, or the stages are on GPUs")
         return GlooLane(self.ranks.rank, world.pipelines, members, peers, self.device,
