@@ -78,7 +78,7 @@ APP_DEFAULT = RunConfig(model="transformer", blocks=6, width=128, batch=32, stag
                         checkpoint="except_last", transport="processes")
 # How the app (and `python -m lab.reproduce transports`) measures a setting: warm-up steps, then
 # rounds of one step beside one K=1 step, every figure the median over the rounds with its range.
-MEASURE_WARMUP, MEASURE_ROUNDS = 4, 7
+MEASURE_WARMUP, MEASURE_ROUNDS = 4, 11
 
 
 def micro_batch_count(config: RunConfig) -> int:

@@ -4,7 +4,8 @@
                                     [--quick] [--out DIR]
     python -m lab.reproduce memory  [--device cpu|cuda] [--budget BYTES] [--quick] [--out DIR]
     python -m lab.reproduce peers   [--quick] [--out DIR]
-    python -m lab.reproduce transports [--model M] [--width W] [--batch N] [--stages K] [--micro-batches M] [--quick]
+    python -m lab.reproduce transports [--model M] [--width W] [--batch N] [--stages K] [--micro-batches M]
+                                       [--stages-as both|threads|processes] [--quick]
     python -m lab.reproduce schedules [--stages K] [--virtual V] [--quick] [--out DIR]
     python -m lab.reproduce all     [--quick] [--out DIR]
 
@@ -28,7 +29,7 @@ from tqdm import tqdm
 from engine.device import keep_freed_cpu_memory
 
 from . import fit, host, peers, schedules, speedup, theory
-from .experiments import APP_DEFAULT, RunConfig
+from .experiments import APP_DEFAULT, MEASURE_ROUNDS, RunConfig
 from .experiments import check as experiments_check
 
 
@@ -70,7 +71,10 @@ def parser() -> argparse.ArgumentParser:
             command.add_argument("--micro-batches", type=int, default=default.micro_batches, help="M")
             command.add_argument("--checkpoint", default=default.checkpoint,
                                  choices=["always", "except_last", "never"])
-            command.add_argument("--rounds", type=int, default=7)
+            command.add_argument("--rounds", type=int, default=MEASURE_ROUNDS,
+                                 help=f"measured rounds, each a step beside a K=1 step (default {MEASURE_ROUNDS}, as the app)")
+            command.add_argument("--stages-as", default="both", choices=["both", "threads", "processes"],
+                                 help="which transports to measure (default both, side by side)")
         if name == "schedules":
             command.add_argument("--stages", type=int, default=4, help="K (default 4)")
             command.add_argument("--virtual", type=int, default=2, help="chunks per stage of interleaved (default 2)")
@@ -206,7 +210,8 @@ def schedules_rows(args, progress) -> Iterator[dict]:
 
 
 def transports_rows(args, progress) -> Iterator[dict]:
-    yield from speedup.transports(transports_config(args), 1 if args.quick else args.rounds, progress)
+    kinds = ("threads", "processes") if args.stages_as == "both" else (args.stages_as,)
+    yield from speedup.transports(transports_config(args), 1 if args.quick else args.rounds, progress, kinds)
 
 
 def peers_rows(args, progress) -> Iterator[dict]:

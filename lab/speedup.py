@@ -120,12 +120,14 @@ def bubble_points(base: RunConfig, micro: Iterable[int] = (1, 2, 4, 8, 16, 32)) 
     return [bubble_point(run(base.but(micro_batches=m), replay=True)) for m in micro if m <= base.batch]
 
 
-def transports(config: RunConfig, rounds: int, progress: Optional[Callable[[str], None]] = None) -> list[dict]:
-    """Threads against processes at one configuration, measured as the app measures: for each, warm-up
-    steps, then `rounds` steps, each followed by a K=1 step in this process (the two share the
-    host's noise); a speedup is the median of the per-round ratios, shown with its range."""
+def transports(config: RunConfig, rounds: int, progress: Optional[Callable[[str], None]] = None,
+               kinds: Iterable[str] = ("threads", "processes")) -> list[dict]:
+    """Threads against processes (or one of them, `kinds`) at one configuration, measured as the app
+    measures: for each, warm-up steps, then `rounds` steps, each followed by a K=1 step in this
+    process (the two share the host's noise); a speedup is the median of the per-round ratios, shown
+    with its range."""
     rows = []
-    for name in ("threads", "processes"):
+    for name in kinds:
         if progress is not None:
             progress(f"{rounds} round(s), stages as {name}")
         record = run(config.but(transport=name), rounds=rounds, baseline=True, warmup=MEASURE_WARMUP)

@@ -46,6 +46,8 @@ def test_speedup_with_processes_and_the_transports_comparison(tmp_path):
     rows = read_csv(tmp_path / "transports.csv")
     assert [r["stages run as"] for r in rows] == ["threads", "processes"]
     assert float(rows[0]["communication share"]) == 0 < float(rows[1]["communication share"])
+    assert reproduce.main(["transports", "--quick", "--stages-as", "processes", "--out", str(tmp_path)]) == 0
+    assert [r["stages run as"] for r in read_csv(tmp_path / "transports.csv")] == ["processes"]
 
 
 def test_schedules_quick_table_has_every_schedule_with_its_theory(tmp_path):
