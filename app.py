@@ -12,8 +12,8 @@ from typing import Optional
 import streamlit as st
 
 from lab import charts, replay, theory  # these and lab.config load without torch: see open_page
-from lab.config import (APP_DEFAULT, BALANCES, MEASURE_ROUNDS, MEASURE_WARMUP, MODEL_CARDS, SCHEDULE_ORDER,
-                        RunConfig, check, micro_batch_count, visible_gpus)
+from lab.config import (APP_DEFAULT, BALANCES, MEASURE_WARMUP, MODEL_CARDS, SCHEDULE_ORDER, RunConfig, check,
+                        measure_rounds, micro_batch_count, visible_gpus)
 
 RECOMPUTE = {"on, except the last micro-batch": "except_last", "on, every micro-batch": "always", "off": "never"}
 TRANSPORTS = {"processes": "one process per stage (torch.distributed, gloo)", "threads": "threads in this process"}
@@ -33,11 +33,11 @@ _handed_over: dict[RunConfig, RunRecord] = {}  # a record just measured live, on
 
 @st.cache_data(max_entries=200, show_spinner=False)
 def measured_run(config: RunConfig) -> RunRecord:
-    """One configuration, measured over MEASURE_ROUNDS steps beside K=1 (and timed task by task for the
-    ideal replay); cached."""
+    """One configuration, measured over `measure_rounds()` steps beside K=1 (and timed task by task for
+    the ideal replay); cached."""
     record = _handed_over.pop(config, None)
     if record is None:
-        record = run(config, replay=True, rounds=MEASURE_ROUNDS, baseline=True, warmup=MEASURE_WARMUP)
+        record = run(config, replay=True, rounds=measure_rounds(), baseline=True, warmup=MEASURE_WARMUP)
     return record
 
 
@@ -137,7 +137,7 @@ def live_run(config: RunConfig, chart) -> RunRecord:
             chart.info("Waiting: another session is running on the shared stage processes; this run "
                        "starts as soon as that one is done.")
 
-        _handed_over[config] = run(config, on_event=on_event, replay=True, on_wait=on_wait, rounds=MEASURE_ROUNDS,
+        _handed_over[config] = run(config, on_event=on_event, replay=True, on_wait=on_wait, rounds=measure_rounds(),
                                    baseline=True, warmup=MEASURE_WARMUP)
         chart.empty()
         if waiting:
@@ -353,6 +353,7 @@ def open_page() -> tuple[Optional[RunConfig], object]:
     config = controls()
     try:
         check(config)
+        measure_rounds()  # GPIPE_LAB_ROUNDS, if set, must be a number of rounds
     except ValueError as error:
         st.error(f"This combination cannot run: {error}")
         return None, None

@@ -81,6 +81,17 @@ APP_DEFAULT = RunConfig(model="transformer", blocks=6, width=128, batch=32, stag
 MEASURE_WARMUP, MEASURE_ROUNDS = 4, 11
 
 
+def measure_rounds() -> int:
+    """The rounds a setting is measured over: MEASURE_ROUNDS, or GPIPE_LAB_ROUNDS=n (more for
+    steadier figures on a noisy host, fewer for a quick look on a slow one)."""
+    asked = os.environ.get("GPIPE_LAB_ROUNDS")
+    if asked is None:
+        return MEASURE_ROUNDS
+    if not asked.isdigit() or int(asked) < 1:
+        raise ValueError(f"GPIPE_LAB_ROUNDS={asked!r}: expected a whole number of rounds, at least 1")
+    return int(asked)
+
+
 def micro_batch_count(config: RunConfig) -> int:
     """How many micro-batches the pipeline runs: what torch.chunk makes of N in M pieces (it can
     be fewer than M)."""

@@ -29,7 +29,7 @@ from tqdm import tqdm
 from engine.device import keep_freed_cpu_memory
 
 from . import fit, host, peers, schedules, speedup, theory
-from .experiments import APP_DEFAULT, MEASURE_ROUNDS, RunConfig
+from .experiments import APP_DEFAULT, MEASURE_ROUNDS, RunConfig, measure_rounds
 from .experiments import check as experiments_check
 
 
@@ -71,8 +71,9 @@ def parser() -> argparse.ArgumentParser:
             command.add_argument("--micro-batches", type=int, default=default.micro_batches, help="M")
             command.add_argument("--checkpoint", default=default.checkpoint,
                                  choices=["always", "except_last", "never"])
-            command.add_argument("--rounds", type=int, default=MEASURE_ROUNDS,
-                                 help=f"measured rounds, each a step beside a K=1 step (default {MEASURE_ROUNDS}, as the app)")
+            command.add_argument("--rounds", type=int, default=None,
+                                 help=f"measured rounds, each a step beside a K=1 step (default {MEASURE_ROUNDS} "
+                                      f"or GPIPE_LAB_ROUNDS, as the app)")
             command.add_argument("--stages-as", default="both", choices=["both", "threads", "processes"],
                                  help="which transports to measure (default both, side by side)")
         if name == "schedules":
@@ -106,6 +107,8 @@ def check(args: argparse.Namespace) -> None:
         return
     if args.command == "transports":
         experiments_check(transports_config(args).but(transport="processes"))
+        if args.rounds is None:
+            args.rounds = measure_rounds()
         if args.rounds < 1:
             raise ValueError(f"--rounds {args.rounds}: expected at least 1")
         return

@@ -10,9 +10,12 @@ APP = str(Path(__file__).resolve().parent.parent / "app.py")
 
 
 @pytest.fixture
-def app():
+def app(monkeypatch):
     """The page in a new session of a server with nothing cached (measured records and the set of
-    measured settings are server-wide: each test starts as a fresh server would)."""
+    measured settings are server-wide: each test starts as a fresh server would). Three measured
+    rounds instead of eleven: these tests check what the page shows, not the figures' spread (the
+    browser test opens the page as a learner does, with every round)."""
+    monkeypatch.setenv("GPIPE_LAB_ROUNDS", "3")
     st.cache_data.clear()
     st.cache_resource.clear()
     at = AppTest.from_file(APP, default_timeout=120)
@@ -288,3 +291,10 @@ def test_where_stages_run_is_offered_only_on_a_host_with_gpus(app, monkeypatch):
     choice = app.radio(key="device")
     assert choice.options == ["CPU cores", "GPUs (2 here)"] and choice.value == "cpu"
     assert not app.exception and not app.error and app.radio(key="transport").value == "threads"
+
+
+def test_a_bad_round_count_in_the_environment_is_an_error_on_the_page(app, monkeypatch):
+    monkeypatch.setenv("GPIPE_LAB_ROUNDS", "lots")
+    app.run()
+    assert not app.exception
+    assert "GPIPE_LAB_ROUNDS='lots'" in app.error[0].value

@@ -137,6 +137,17 @@ def test_a_bad_host_size_override_is_explained(monkeypatch, value):
         experiments.parallel_devices(RunConfig())
 
 
+def test_the_rounds_a_setting_is_measured_over_can_be_set_and_a_bad_count_is_explained(monkeypatch):
+    monkeypatch.delenv("GPIPE_LAB_ROUNDS", raising=False)
+    assert experiments.measure_rounds() == experiments.MEASURE_ROUNDS == 11
+    monkeypatch.setenv("GPIPE_LAB_ROUNDS", "21")
+    assert experiments.measure_rounds() == 21
+    for value in ("many", "0", "-3"):
+        monkeypatch.setenv("GPIPE_LAB_ROUNDS", value)
+        with pytest.raises(ValueError, match=f"GPIPE_LAB_ROUNDS='{value}': expected a whole number of rounds"):
+            experiments.measure_rounds()
+
+
 def test_bubble_point_says_how_it_was_obtained(monkeypatch):
     config = RunConfig(model="mlp", blocks=4, width=32, batch=16, stages=4, micro_batches=4)
     monkeypatch.setenv("GPIPE_LAB_DEVICES", "1")

@@ -129,6 +129,12 @@ def test_bad_arguments_get_one_line_and_exit_code_2(argv, words, capsys):
     assert words in err and len(err.strip().splitlines()) == 1
 
 
+def test_a_bad_round_count_in_the_environment_gets_one_line_and_exit_code_2(monkeypatch, capsys):
+    monkeypatch.setenv("GPIPE_LAB_ROUNDS", "none")
+    assert reproduce.main(["transports", "--quick"]) == 2
+    assert "GPIPE_LAB_ROUNDS='none'" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("argv", [["bogus"], ["speedup", "--transport", "pigeons"]])
 def test_unknown_choices_are_one_line_too(argv, capsys):
     with pytest.raises(SystemExit) as exit_info:
