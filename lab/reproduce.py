@@ -107,9 +107,7 @@ def check(args: argparse.Namespace) -> None:
         return
     if args.command == "transports":
         experiments_check(transports_config(args).but(transport="processes"))
-        if args.rounds is None:
-            args.rounds = measure_rounds()
-        if args.rounds < 1:
+        if transports_rounds(args) < 1:
             raise ValueError(f"--rounds {args.rounds}: expected at least 1")
         return
     if hasattr(args, "stages"):
@@ -141,6 +139,12 @@ def transports_config(args) -> RunConfig:
     config = RunConfig(model=args.model, blocks=args.blocks, width=args.width, batch=args.batch, stages=args.stages,
                        micro_batches=args.micro_batches, checkpoint=args.checkpoint, seed=args.seed)
     return config.but(width=32, blocks=2, batch=16, micro_batches=4) if args.quick else config
+
+
+def transports_rounds(args) -> int:
+    """The rounds the transports comparison asks for: --rounds, else the app's (measure_rounds,
+    which GPIPE_LAB_ROUNDS sets)."""
+    return measure_rounds() if args.rounds is None else args.rounds
 
 
 def memory_config(args) -> tuple[RunConfig, int, int]:
@@ -214,7 +218,8 @@ def schedules_rows(args, progress) -> Iterator[dict]:
 
 def transports_rows(args, progress) -> Iterator[dict]:
     kinds = ("threads", "processes") if args.stages_as == "both" else (args.stages_as,)
-    yield from speedup.transports(transports_config(args), 1 if args.quick else args.rounds, progress, kinds)
+    rounds = 1 if args.quick else transports_rounds(args)
+    yield from speedup.transports(transports_config(args), rounds, progress, kinds)
 
 
 def peers_rows(args, progress) -> Iterator[dict]:
@@ -314,7 +319,7 @@ def run_command(name: str, args, rows_of: Callable, out: Path) -> list[dict]:
     if name == "transports":
         base = transports_config(args)
         lines.append(f"{model_line(base)}, K={base.stages}, M={base.micro_batches}, checkpoint {base.checkpoint}, "
-                     f"{1 if args.quick else args.rounds} round(s)")
+                     f"{1 if args.quick else transports_rounds(args)} round(s)")
     if name == "peers":
         work, micros, rounds = peers_workload(args)
         lines.append(f"# model {work.blocks} x (Linear({work.width},{work.width}) + ReLU), batch {work.batch}, "

@@ -29,7 +29,7 @@ import torch
 
 from ..trace import Trace
 from .children import Children, ChildFailed, name_of, resolve
-from .shm_lane import SHM, sweep
+from .shm_lane import SHM, checked_spin, sweep
 
 Recipe = Union[str, Callable]
 START_SECONDS = 120.0
@@ -51,8 +51,8 @@ class ProcessPool:
                  timeout: float = 300.0, device: str = "cpu", lane: str = "auto", spin: Optional[float] = None):
         if isinstance(stages, bool) or not isinstance(stages, int) or stages < 1:
             raise ValueError(f"stages={stages!r}: expected an int >= 1 (one process per stage)")
-        if spin is not None and not 0 <= spin < 1:
-            raise ValueError(f"spin={spin!r}: expected None (the lane decides) or seconds from 0 to under 1")
+        if spin is not None:
+            checked_spin(spin, f"spin={spin!r} (or None: the lane decides)")
         self.stages, self.timeout, self.device, self.lane = stages, timeout, device, lane
         self.trace: Optional[Trace] = None
         self.losses: list = []

@@ -58,10 +58,16 @@ def spin_for(processes: int) -> float:
             seconds = float(asked)
         except ValueError:
             seconds = -1.0
-        if not 0 <= seconds < 1:
-            raise ValueError(f"GPIPE_SPIN_SECONDS={asked!r}: expected seconds from 0 to under 1")
-        return seconds
+        return checked_spin(seconds, f"GPIPE_SPIN_SECONDS={asked!r}")
     return SPIN_SECONDS if processes * torch.get_num_threads() <= cpu_cores() else 0.0
+
+
+def checked_spin(seconds: float, said: str) -> float:
+    """`seconds` if it is a spin the lane takes (0 up to under a second), else a ValueError that
+    quotes `said`, how the value was given."""
+    if not 0 <= seconds < 1:
+        raise ValueError(f"{said}: expected seconds from 0 to under 1")
+    return seconds
 
 
 def available() -> bool:
