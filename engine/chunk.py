@@ -80,9 +80,10 @@ class Chunk:
     def event(self, task: Task, start, end, timed: bool = False) -> Event:
         """The trace event of a task that ran between two marks (`timed`: marks still to be read
         as seconds, which on CUDA waits for the GPU)."""
+        host = self.device.host_seconds(end) - self.device.host_seconds(start)
         if timed:
             start, end = self.device.seconds(start), self.device.seconds(end)
-        return Event(self.stage, task.micro, task.op, start, end, str(self.device.device), task.chunk)
+        return Event(self.stage, task.micro, task.op, start, end, str(self.device.device), task.chunk, host)
 
     def start(self, call: Call, ledger: ActivationLedger) -> None:
         """Reset per-call state before the stages start; `ledger` counts the activations of every

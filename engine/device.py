@@ -126,19 +126,28 @@ class StageDevice:
         return stack
 
     def mark(self):
-        """A time stamp on this stage's timeline; read it with `seconds` once the step is over."""
+        """A time stamp on this stage's timeline; read it with `seconds` once the step is over (on
+        CUDA an event on the stage's stream, with the host's own time beside it)."""
+        now = time.perf_counter() - self._t0
         if self.is_cuda:
             event = torch.cuda.Event(enable_timing=True)
             event.record(self.stream)
-            return event
-        return time.perf_counter() - self._t0
+            return event, now
+        return now
 
     def seconds(self, mark) -> float:
         """Seconds from the step's start to `mark` (GPU time on CUDA; synchronizes the stream)."""
         if self.is_cuda:
-            mark.synchronize()
-            return self._origin.elapsed_time(mark) / 1e3
+            event, _ = mark
+            event.synchronize()
+            return self._origin.elapsed_time(event) / 1e3
         return mark
+
+    @staticmethod
+    def host_seconds(mark) -> float:
+        """Seconds from the step's start to `mark` on the host's clock: when the stage's thread got
+        there, whatever the GPU was doing."""
+        return mark[1] if isinstance(mark, tuple) else mark
 
     def send(self, value: Value, destination: torch.device):
         """Move `value` towards `destination` on this stage's stream; returns what to put in the mailbox:

@@ -9,8 +9,10 @@ from typing import Optional
 @dataclass(frozen=True)
 class Event:
     """One task as it ran on a stage: `op` is "F", "R", "B" or "W"; `start`/`end` are seconds from
-    the step's start; `chunk` is the chunk of layers it ran (the stage itself, unless stages hold
-    several chunks)."""
+    the step's start (on a GPU, of the GPU's timeline); `chunk` is the chunk of layers it ran (the
+    stage itself, unless stages hold several chunks); `host` is the seconds the stage's thread spent
+    issuing it (on a CPU the task's own time; on a GPU far less than `duration` when the GPU, not
+    Python, sets the pace; 0 where not recorded)."""
 
     stage: int
     micro: int
@@ -19,6 +21,7 @@ class Event:
     end: float
     device: str
     chunk: int = 0
+    host: float = 0.0
 
     @property
     def duration(self) -> float:
@@ -149,14 +152,14 @@ class Trace:
         return totals
 
     def to_records(self) -> list[dict]:
-        """The events as a list of plain dicts (stage, micro, op, start, end, device)."""
+        """The events as a list of plain dicts (stage, micro, op, start, end, device, chunk, host)."""
         return [asdict(e) for e in self.events]
 
     def to_dataframe(self):
         """The events as a pandas DataFrame, one row per task, with a `duration` column."""
         import pandas as pd
 
-        frame = pd.DataFrame(self.to_records(), columns=["stage", "micro", "op", "start", "end", "device", "chunk"])
+        frame = pd.DataFrame(self.to_records(), columns=["stage", "micro", "op", "start", "end", "device", "chunk", "host"])
         frame["duration"] = frame["end"] - frame["start"]
         return frame
 

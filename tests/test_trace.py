@@ -55,9 +55,11 @@ def test_exports(batch):
     pipe = GPipe(mlp(), 2, chunks=2, checkpoint="always")
     pipe.step(x, y, LOSS)
     records = pipe.trace.to_records()
-    assert len(records) == 2 * 6 and set(records[0]) == {"stage", "micro", "op", "start", "end", "device", "chunk"}
+    assert len(records) == 2 * 6 and set(records[0]) == {"stage", "micro", "op", "start", "end", "device", "chunk",
+                                                         "host"}
+    assert all(r["host"] == pytest.approx(r["end"] - r["start"]) for r in records)  # on a CPU the thread is the device
     frame = pipe.trace.to_dataframe()
-    assert list(frame.columns) == ["stage", "micro", "op", "start", "end", "device", "chunk", "duration"]
+    assert list(frame.columns) == ["stage", "micro", "op", "start", "end", "device", "chunk", "host", "duration"]
     assert sorted(frame["op"].value_counts().to_dict().items()) == [("B", 4), ("F", 4), ("R", 4)]
     chrome = json.loads(pipe.trace.to_chrome_trace())
     complete = [e for e in chrome["traceEvents"] if e["ph"] == "X"]

@@ -154,7 +154,7 @@ class RankRunner:
         events, messages, memory, reductions = [], [], [], []
         for start, stage_events, stage_messages, stage_memory, stage_reductions in pieces:
             shift = start - origin
-            events += [Event(s, m, op, a + shift, b + shift, d, c) for s, m, op, a, b, d, c in stage_events]
+            events += [Event(s, m, op, a + shift, b + shift, *rest) for s, m, op, a, b, *rest in stage_events]
             messages += [Message(*fields[:6], fields[6] + shift, fields[7] + shift) for fields in stage_messages]
             memory.append(StageMemory(*stage_memory))
             reductions += [Reduction(s, a + shift, b + shift, n) for s, a, b, n in stage_reductions]
