@@ -6,7 +6,10 @@ controls and the theory diagram from this module (and lab.replay, lab.charts) wh
 """
 from __future__ import annotations
 
+import functools
 import os
+import shutil
+import subprocess
 from dataclasses import dataclass, replace
 
 from engine.schedule import CHECKPOINT_MODES, SCHEDULES, check_layout
@@ -137,13 +140,17 @@ def check(config: RunConfig) -> None:
         raise ValueError("device='cuda' but this host has no CUDA GPU (torch.cuda.is_available() is False)")
 
 
-def visible_gpus(driver: str = "/proc/driver/nvidia/gpus") -> int:
+NVIDIA_SMI = ("nvidia-smi", "/usr/lib/wsl/lib/nvidia-smi")  # on PATH, or where WSL2 keeps it
+
+
+def visible_gpus(driver: str = "/proc/driver/nvidia/gpus", smi: tuple[str, ...] = NVIDIA_SMI) -> int:
     """NVIDIA GPUs this process may use, read without torch (the app asks before torch loads): the
-    GPUs the driver lists, limited by CUDA_VISIBLE_DEVICES when it is set."""
+    GPUs the driver lists in /proc (or, where there is no such folder, as on WSL2 whose driver lives
+    in Windows, the GPUs `nvidia-smi -L` lists), limited by CUDA_VISIBLE_DEVICES when it is set."""
     try:
         present = len(os.listdir(driver))
     except OSError:
-        return 0
+        present = listed_gpus(smi)
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     if visible is None:
         return present
@@ -154,6 +161,20 @@ def visible_gpus(driver: str = "/proc/driver/nvidia/gpus") -> int:
             break
         listed.append(entry)
     return min(present, len(listed))
+
+
+@functools.lru_cache(maxsize=None)
+def listed_gpus(smi: tuple[str, ...] = NVIDIA_SMI) -> int:
+    """How many GPUs the first `nvidia-smi` of `smi` that exists lists with -L (0 if none runs);
+    asked once per process, since the app counts GPUs on every rerun."""
+    program = next((found for found in map(shutil.which, smi) if found), None)
+    if program is None:
+        return 0
+    try:
+        listing = subprocess.run([program, "-L"], capture_output=True, text=True, timeout=20).stdout
+    except (OSError, subprocess.SubprocessError):
+        return 0
+    return sum(line.startswith("GPU ") for line in listing.splitlines())  # not the indented MIG lines
 
 
 def _cuda_available() -> bool:

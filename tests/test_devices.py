@@ -158,6 +158,21 @@ def test_gpus_are_counted_without_torch_as_the_app_needs(tmp_path, monkeypatch):
         assert visible_gpus(str(tmp_path)) == count, visible
 
 
+def test_without_the_drivers_folder_gpus_are_counted_by_nvidia_smi_as_on_wsl2(tmp_path, monkeypatch):
+    """WSL2 has no /proc/driver/nvidia/gpus: nvidia-smi -L (on PATH or in /usr/lib/wsl/lib) counts
+    them, its indented MIG lines not counted, and CUDA_VISIBLE_DEVICES still limits them."""
+    smi = tmp_path / "nvidia-smi"
+    smi.write_text("#!/bin/sh\necho 'GPU 0: NVIDIA RTX 4090 (UUID: GPU-a)'\necho 'GPU 1: NVIDIA A100 (UUID: GPU-b)'\n"
+                   "echo '  MIG 1g.10gb     Device  0: (UUID: MIG-c)'\n")
+    smi.chmod(0o755)
+    absent = str(tmp_path / "absent")
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    assert visible_gpus(absent, smi=(str(tmp_path / "no-smi"), str(smi))) == 2
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1")
+    assert visible_gpus(absent, smi=(str(smi),)) == 1
+    assert visible_gpus(absent, smi=(str(tmp_path / "no-smi"),)) == 0
+
+
 def test_the_notebooks_device_is_the_cpu_unless_asked(monkeypatch):
     monkeypatch.delenv(host.DEVICE_VARIABLE, raising=False)
     assert host.lab_device() == "cpu"
