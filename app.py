@@ -186,15 +186,16 @@ def show_numbers(record: RunRecord, config: RunConfig) -> None:
     cols[2].metric("samples/s", f"{rate[0]:,.0f}", f"{rate[1]:,.0f} to {rate[2]:,.0f}", delta_color="off")
     cols[3].metric("speedup over K=1", f"{speed[0]:.2f}x", f"{speed[1]:.2f} to {speed[2]:.2f}x", delta_color="off")
     cols[4].metric("loss", f"{record.loss:.3f}")
+    unit = "GPU" if config.device == "cuda" else "core"
     st.caption(f"Medians of {len(record.rounds)} measured steps, each followed by a step of K=1 at the same M (one "
-               f"stage on one core, in the server's own process), so that both share this host's noise; under each "
+               f"stage on one {unit}, in the server's own process), so that both share this host's noise; under each "
                f"figure its range. The bubble's theory is (K-1)/(M+K-1). The ideal replay of this step (its task "
                f"times laid out as if every stage had a device of its own) takes {ideal.makespan * 1e3:.0f} ms; "
                f"ideal speedup K·M/(M+K-1) = {theory.ideal_speedup(config.stages, micro):.2f}x.")
     if micro < 4 * config.stages:
         st.caption(f"Rule of thumb from the paper: M >= 4K, here M >= {4 * config.stages}, makes the bubble negligible.")
     st.caption("The measured speedup can exceed K·M/(M+K-1): the K=1 step runs M small micro-batches one after "
-               "another on one core, while each stage of the pipeline keeps only its own layers' weights and "
+               f"another on one {unit}, while each stage of the pipeline keeps only its own layers' weights and "
                "activations hot in its cache.")
     show_traffic(record, config)
 
@@ -211,7 +212,10 @@ def show_traffic(record: RunRecord, config: RunConfig) -> None:
         cols[1].metric("bytes per boundary per step", ", ".join(f"{mib:.2f} MiB" for mib in per_cut),
                        record.boundary_how, delta_color="off")
         other = "threads" if config.transport == "processes" else "processes"
-        if cols[2].button(f"measure with {other} too", key="other_transport"):
+        refused = refusal(config.but(transport=other))
+        if refused:  # stages on GPUs run as threads here: offer only what can run
+            cols[2].caption(f"Stages as {other} are not offered at these settings: {refused}")
+        elif cols[2].button(f"measure with {other} too", key="other_transport"):
             st.session_state.setdefault("compared", set()).add(config.but(transport=other))
         if config.but(transport=other) in st.session_state.get("compared", set()):
             runs = {config.transport: record, other: measured_run(config.but(transport=other))}
@@ -223,6 +227,15 @@ def show_traffic(record: RunRecord, config: RunConfig) -> None:
         params = sum(m["param_bytes"] for m in record.memory)
         st.plotly_chart(charts.boundary_chart(record.boundary_bytes, record.boundary_how, params, config.stages),
                         key="boundary")
+
+
+def refusal(config: RunConfig) -> Optional[str]:
+    """Why a configuration cannot run (lab.config.check's message), or None if it can."""
+    try:
+        check(config)
+    except ValueError as error:
+        return str(error)
+    return None
 
 
 def task_seconds(record: RunRecord, op: str = None) -> float:

@@ -1,0 +1,36 @@
+"""The app on a host with GPUs, faked: the GPU count the app reads without torch, CUDA's presence for
+the configuration's checks, and runs that compute on the CPU while the page believes they ran on GPUs."""
+import pytest
+
+import lab.config
+import lab.experiments
+from test_app import app  # noqa: F401  (the fixture: a fresh server, three measured rounds)
+
+
+@pytest.fixture
+def two_gpus(monkeypatch):
+    """A host with two GPUs as the page sees it; every run computes on the CPU."""
+    real = lab.experiments.run
+
+    def on_the_cpu(config, **options):
+        record = real(config.but(device="cpu"), **options)
+        record.config["device"] = config.device
+        return record
+    monkeypatch.setattr(lab.config, "visible_gpus", lambda: 2)
+    monkeypatch.setattr(lab.config, "_cuda_available", lambda: True)
+    monkeypatch.setattr(lab.experiments, "run", on_the_cpu)
+
+
+def test_stages_on_gpus_offer_no_processes_and_say_why_and_k1_runs_on_one_gpu(app, two_gpus):  # noqa: F811
+    app.run()
+    app.selectbox(key="model").set_value("mlp").run()
+    app.radio(key="device").set_value("cuda")
+    for key, value in (("stages", 2), ("micro", 4), ("batch-mlp", 16), ("width-mlp", 128)):
+        (app.slider if key in ("stages", "micro") else app.select_slider)(key=key).set_value(value)
+    app.run()
+    assert not app.exception and not app.error
+    with pytest.raises(KeyError):
+        app.button(key="other_transport")   # processes on GPUs: check() refuses them, so no button
+    captions = [c.value for c in app.caption]
+    assert any("Stages as processes are not offered" in c and "torchrun" in c for c in captions), captions
+    assert any("one stage on one GPU" in c for c in captions) and not any("on one core" in c for c in captions)
