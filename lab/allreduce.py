@@ -3,18 +3,19 @@ processes over gloo, timed (the lessons set it beside what a pipeline's cuts car
 
 Data parallelism keeps a whole copy of the model on each of K devices and, after every step, sums
 the gradients of all copies: in a ring all-reduce each device sends about 2(K-1)/K times the
-gradients' bytes. Here the processes are spawned, meet at a Store this process hosts on loopback,
-all-reduce a tensor of that size a few times, and report the median; none is left behind.
+gradients' bytes. Here the processes are spawned, meet at a Store in a private file of this
+process's (gloo on loopback: nothing listens on a network, engine/distributed/local.py), all-reduce
+a tensor of that size a few times, and report the median; none is left behind.
 """
 from __future__ import annotations
 
 import statistics
 import time
-from datetime import timedelta
 
 import torch
 
 from engine.distributed.children import Children
+from engine.distributed.local import Meeting, join
 
 
 def time_all_reduce(nbytes: int, devices: int = 2, rounds: int = 5, timeout: float = 120.0) -> dict:
@@ -22,15 +23,17 @@ def time_all_reduce(nbytes: int, devices: int = 2, rounds: int = 5, timeout: flo
     host (median over `rounds`, after a warm-up), and the bytes a ring sends per device."""
     if devices < 2:
         raise ValueError(f"devices={devices}: an all-reduce needs at least 2 processes")
-    store = torch.distributed.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
-                                       timeout=timedelta(seconds=timeout))
+    meeting = Meeting()
     numel = max(1, nbytes // 4)
-    members = Children(Member, [(rank, devices, store.port) for rank in range(devices)], name="all-reduce",
-                       timeout=timeout)
     try:
-        times = members.ask([(numel, rounds)] * devices)[0]
+        members = Children(Member, [(rank, devices, meeting.path) for rank in range(devices)], name="all-reduce",
+                           timeout=timeout, env=meeting.env)
+        try:
+            times = members.ask([(numel, rounds)] * devices)[0]
+        finally:
+            members.close()
     finally:
-        members.close()
+        meeting.close()
     return {"devices": devices, "gradient bytes": numel * 4, "bytes sent per device (ring)": 2 * (devices - 1) /
             devices * numel * 4, "seconds": statistics.median(times), "rounds": len(times)}
 
@@ -38,12 +41,9 @@ def time_all_reduce(nbytes: int, devices: int = 2, rounds: int = 5, timeout: flo
 class Member:
     """One process of the all-reduce: joins the group, then times all-reduces of the size asked."""
 
-    def __init__(self, rank: int, devices: int, port: int):
-        import torch.distributed as dist
-
+    def __init__(self, rank: int, devices: int, store: str):
         torch.set_num_threads(1)
-        client = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=60))
-        dist.init_process_group("gloo", store=client, rank=rank, world_size=devices)
+        join(store, rank, devices, timeout=60)
 
     def __call__(self, command: tuple[int, int]) -> list[float]:
         import torch.distributed as dist

@@ -10,8 +10,6 @@ step of the same round.
 from __future__ import annotations
 
 import importlib.util
-import os
-import socket
 import statistics
 import time
 from dataclasses import dataclass
@@ -23,6 +21,7 @@ from torch import nn
 from engine import GPipe
 from engine.device import keep_freed_cpu_memory
 from engine.distributed.children import Children
+from engine.distributed.local import Meeting, join
 from engine.distributed.pool import ProcessPool
 
 from . import models, theory
@@ -148,11 +147,9 @@ class PipeliningProcesses:
     name = "torch.distributed.pipelining ScheduleGPipe"
 
     def __init__(self, work: Workload, tuned_malloc: bool, timeout_s: float = 600):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        self.ranks = Children(PipeliningRank, [(rank, port, work, tuned_malloc) for rank in range(2)],
-                              name="torch.distributed.pipelining rank", timeout=timeout_s)
+        self.meeting = Meeting()
+        self.ranks = Children(PipeliningRank, [(rank, self.meeting.path, work, tuned_malloc) for rank in range(2)],
+                              name="torch.distributed.pipelining rank", timeout=timeout_s, env=self.meeting.env)
 
     def ask(self, command: str, micro: int = 0) -> list:
         """Send `command` to both ranks and return their answers, rank 0 first; a failure in a rank
@@ -164,6 +161,7 @@ class PipeliningProcesses:
 
     def close(self) -> None:
         self.ranks.close()
+        self.meeting.close()
 
 
 @dataclass
@@ -216,14 +214,11 @@ class PipeliningRank:
     """One rank of the peer: builds its half of the model, then serves ("step" | "grads", M)
     commands. With `tuned_malloc` its malloc keeps freed memory, as the racing process's does."""
 
-    def __init__(self, rank: int, port: int, work: Workload, tuned_malloc: bool):
-        import torch.distributed as dist
-
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    def __init__(self, rank: int, store: str, work: Workload, tuned_malloc: bool):
         if tuned_malloc:
             keep_freed_cpu_memory()
         torch.set_num_threads(1)
-        dist.init_process_group("gloo", rank=rank, world_size=2)
+        join(store, rank, 2)
         self.rank = rank
         model, (self.x, self.y) = work.model(), work.data()
         half = work.blocks // 2

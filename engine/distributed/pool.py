@@ -11,9 +11,11 @@ The stage processes are children that run engine code only (engine/distributed/c
 the parent may be anything: a script with or without a main guard, standard input, `python -c`, a
 Jupyter kernel, the Streamlit server, a torchrun worker. Every child builds the model itself from
 a recipe importable by name ("package.module:function"): the model is never sent, only how to make
-it. The parent hosts the Store that the children meet at, so it outlives any of them. A failure in
-a stage is raised here with its own type, the stage named; a child that dies is raised as
-StageProcessError, and the pool is then closed and a new one must be made.
+it. The children meet at a Store in a file, in a private folder that the parent owns, so it
+outlives any of them, and talk over gloo on loopback: nothing of the pool listens on a network
+(engine/distributed/local.py). A failure in a stage is raised here with its own type, the stage
+named; a child that dies is raised as StageProcessError, and the pool is then closed and a new one
+must be made.
 """
 from __future__ import annotations
 
@@ -22,13 +24,13 @@ import os
 import threading
 import time
 from dataclasses import replace
-from datetime import timedelta
 from typing import Callable, Optional, Union
 
 import torch
 
 from ..trace import Trace
 from .children import Children, ChildFailed, name_of, resolve
+from .local import Meeting, join
 from .shm_lane import SHM, checked_spin, sweep
 
 Recipe = Union[str, Callable]
@@ -58,15 +60,18 @@ class ProcessPool:
         self.losses: list = []
         self.seconds = 0.0
         self.built = False
-        self._store = torch.distributed.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
-                                                 timeout=timedelta(seconds=START_SECONDS))
+        self._meeting = Meeting()
         self._shm_prefix = f"gpipe-pool{os.getpid()}-{next(_pools)}"
-        self._children = Children("engine.distributed.pool:StageServer",
-                                  [(rank, stages, self._store.port, threads_per_stage, keep_freed_memory, device)
-                                   for rank in range(stages)], name="stage", timeout=timeout,
-                                  env={"GPIPE_SHM_PREFIX": self._shm_prefix, "GPIPE_LANE": lane,
-                                       **({} if spin is None else {"GPIPE_SPIN_SECONDS": repr(float(spin))})})
-        self._ask([("ready", ())] * stages, timeout=START_SECONDS)
+        try:
+            self._children = Children("engine.distributed.pool:StageServer",
+                                      [(rank, stages, self._meeting.path, threads_per_stage, keep_freed_memory, device)
+                                       for rank in range(stages)], name="stage", timeout=timeout,
+                                      env={**self._meeting.env, "GPIPE_SHM_PREFIX": self._shm_prefix, "GPIPE_LANE": lane,
+                                           **({} if spin is None else {"GPIPE_SPIN_SECONDS": repr(float(spin))})})
+            self._ask([("ready", ())] * stages, timeout=START_SECONDS)
+        except BaseException:
+            self._meeting.close()
+            raise
 
     @property
     def alive(self) -> bool:
@@ -160,6 +165,7 @@ class ProcessPool:
     def close(self) -> None:
         """Stop every stage process; none is left behind, nor any of their files in /dev/shm."""
         self._children.close()
+        self._meeting.close()
         sweep(f"{SHM}/{self._shm_prefix}-")
 
     def __enter__(self) -> "ProcessPool":
@@ -203,17 +209,14 @@ def _live_events(on_event: Callable):
 class StageServer:
     """A stage process: joins the pool's group, then answers the pool's commands."""
 
-    def __init__(self, rank: int, size: int, port: int, threads: int, keep_freed_memory: bool, device: str):
-        import torch.distributed as dist
-
+    def __init__(self, rank: int, size: int, store: str, threads: int, keep_freed_memory: bool, device: str):
         from ..device import keep_freed_cpu_memory
 
         if keep_freed_memory:
             keep_freed_cpu_memory()
         torch.set_num_threads(threads)
         self.rank, self.threads, self.device = rank, threads, device
-        store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=START_SECONDS))
-        dist.init_process_group("gloo", store=dist.PrefixStore("pool/", store), rank=rank, world_size=size)
+        join(store, rank, size, timeout=START_SECONDS)
         self.pipe, self.optimizer = None, None
         self.tell = None  # set by children.serve: sends the parent a note while a command runs
 

@@ -1,0 +1,65 @@
+"""How the processes that one process starts on this host meet, with no socket beyond loopback.
+
+torch.distributed's processes meet at a Store and then talk over gloo. A TCPStore listens on every
+interface of the host, whatever address it is given, and gloo binds to the address the host name
+resolves to: on a laptop on a café's network, anyone there could write keys into the Store that
+coordinates the stage processes. The lab's own process groups (ProcessPool, lab.allreduce,
+lab.peers) are all on one host, so they need no network at all:
+
+    meeting = Meeting()                               # a FileStore in a private folder (mode 0700)
+    Children(..., [(meeting.path, rank, size) ...], env=meeting.env)
+    join(path, rank, size)                            # in each child: gloo on loopback, via the file
+    meeting.close()                                   # the folder goes (also if the parent exits)
+
+Runs over several hosts (torchrun) keep torch.distributed's own trust model: a trusted network, or
+a VPN, between the hosts (README, "Security").
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import tempfile
+import weakref
+from datetime import timedelta
+
+IFF_LOOPBACK = 0x8  # the interface flag Linux shows in /sys/class/net/NAME/flags
+
+
+def loopback_interface(net: str = "/sys/class/net") -> str:
+    """The name of this host's loopback interface ("lo" on Linux, "lo0" on macOS)."""
+    try:
+        for name in sorted(os.listdir(net)):
+            with open(os.path.join(net, name, "flags")) as flags:
+                if int(flags.read(), 16) & IFF_LOOPBACK:
+                    return name
+    except (OSError, ValueError):
+        pass
+    names = [name for _, name in socket.if_nameindex()]
+    return "lo0" if "lo0" in names else "lo"
+
+
+class Meeting:
+    """Where a group of local processes meets: a torch.distributed FileStore in a folder only this
+    user can enter, removed by `close()` or when this process exits. `env` is what each member's
+    environment needs (gloo's device on the loopback interface)."""
+
+    def __init__(self):
+        self.folder = tempfile.mkdtemp(prefix="gpipe-store-")  # mode 0700
+        self.path = os.path.join(self.folder, "store")
+        self.env = {"GLOO_SOCKET_IFNAME": loopback_interface()}
+        self._finalizer = weakref.finalize(self, shutil.rmtree, self.folder, ignore_errors=True)
+
+    def close(self) -> None:
+        """Remove the store's folder (after the members have left)."""
+        self._finalizer()
+
+
+def join(path: str, rank: int, size: int, timeout: float = 120.0) -> None:
+    """In a member process: the default process group (gloo), met through the FileStore at `path`
+    (whose waits give up after `timeout` seconds)."""
+    import torch.distributed as dist
+
+    store = dist.FileStore(path, -1)
+    store.set_timeout(timedelta(seconds=timeout))
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=size)
