@@ -143,11 +143,11 @@ def shares_gpus(config: RunConfig) -> bool:
     return config.device == "cuda" and config.stages > torch.cuda.device_count()
 
 
-def probe(config: RunConfig, budget: int) -> Probe:
+def probe(config: RunConfig, budget: int, counted: bool = False) -> Probe:
     """Run one real step of `config` and say whether its most loaded stage stays within `budget`:
-    on GPUs of their own, the allocator's real peaks under a real cap; on the CPU, or on GPUs that
-    stages share, the engine's count of each stage's bytes."""
-    if config.device == "cuda" and not shares_gpus(config):
+    on GPUs of their own, the allocator's real peaks under a real cap; on the CPU, on GPUs that
+    stages share, or wherever `counted` asks for it, the engine's count of each stage's bytes."""
+    if config.device == "cuda" and not counted and not shares_gpus(config):
         params, peak, fits = footprint_cuda(config, budget)
         return Probe(config.blocks, params, peak, fits)
     params, peak = footprint(config)
@@ -155,15 +155,17 @@ def probe(config: RunConfig, budget: int) -> Probe:
 
 
 def largest(base: RunConfig, stages: int, checkpoint: str, budget: int, max_blocks: int = 512,
-            progress: Optional[Callable[[Probe], None]] = None, label: str = "") -> Optional[Largest]:
-    """Search (doubling, then bisection) the most Transformer blocks that fit `budget` per device.
+            progress: Optional[Callable[[Probe], None]] = None, label: str = "",
+            counted: bool = False) -> Optional[Largest]:
+    """Search (doubling, then bisection) the most Transformer blocks that fit `budget` per device
+    (each candidate judged by `probe`; `counted`: by the engine's count, even on GPUs of their own).
 
     Returns None if even the smallest model that can be cut into `stages` stages does not fit.
     """
     probes: list[Probe] = []
 
     def fits(blocks: int) -> bool:
-        result = probe(base.but(blocks=blocks, stages=stages, checkpoint=checkpoint), budget)
+        result = probe(base.but(blocks=blocks, stages=stages, checkpoint=checkpoint), budget, counted)
         probes.append(result)
         if progress is not None:
             progress(result)

@@ -173,23 +173,40 @@ def speedup_rows(args, progress) -> Iterator[dict]:
                "bubble": round(cell.bubble, 3), "how": cell.label}
 
 
+ALLOCATOR, COUNT = "allocator's peak, capped", "engine's count"
+
+
+def memory_measures(device: str) -> list[tuple[str, int]]:
+    """How the memory table judges a fit, as (measure, most stages it can judge): on GPUs the
+    allocator's real peak under a real cap for K up to the GPU count, then the engine's count for
+    every K (so each measure has its own naive row); on the CPU only the count."""
+    gpus = torch.cuda.device_count() if device == "cuda" else 0
+    return ([(ALLOCATOR, gpus)] if gpus else []) + [(COUNT, max(k for _, k, _ in fit.LADDER))]
+
+
 def memory_rows(args, progress) -> Iterator[dict]:
+    """The ladder of fit.LADDER once per measure (memory_measures); growth is against the naive row
+    of the same measure, never across measures."""
     base, budget, max_blocks = memory_config(args)
-    first = None
-    for label, stages, checkpoint in fit.LADDER:
-        best = fit.largest(base, stages, checkpoint, budget, max_blocks, label=label,
-                           progress=lambda p: progress(f"{label}: {p.blocks} blocks {'fit' if p.fits else 'too big'}"))
-        if best is None:
-            yield {"training": label, "K": stages, "layers": 0, "parameters": 0, "peak bytes": 0,
-                   "growth vs naive": 0.0, "paper": "", "probes": 0}
-            continue
-        first = first or best
-        paper = {"K=1 with recompute": f"{theory.PAPER_REMAT_GROWTH}x"}.get(label, "")
-        capped = best.blocks >= max_blocks  # the search stopped at its cap, not at the budget
-        yield {"training": label, "K": stages, "layers": f">= {best.layers} (search cap)" if capped else best.layers,
-               "parameters": best.params,
-               "peak bytes": best.peak_bytes, "growth vs naive": round(best.params / first.params, 2),
-               "paper": paper, "probes": len(best.probes)}
+    for measure, most in memory_measures(args.device):
+        first = None
+        for label, stages, checkpoint in fit.LADDER:
+            if stages > most:
+                continue
+            best = fit.largest(base, stages, checkpoint, budget, max_blocks, label=label, counted=measure == COUNT,
+                               progress=lambda p: progress(f"{label}: {p.blocks} blocks {'fit' if p.fits else 'too big'}"))
+            row = {"training": label, "K": stages, "measured by": measure}
+            if best is None:
+                yield {**row, "layers": 0, "parameters": 0, "peak bytes": 0, "growth vs naive": 0.0, "paper": "",
+                       "probes": 0}
+                continue
+            first = first or best
+            capped = best.blocks >= max_blocks  # the search stopped at its cap, not at the budget
+            yield {**row, "layers": f">= {best.layers} (search cap)" if capped else best.layers,
+                   "parameters": best.params, "peak bytes": best.peak_bytes,
+                   "growth vs naive": round(best.params / first.params, 2),
+                   "paper": {"K=1 with recompute": f"{theory.PAPER_REMAT_GROWTH}x"}.get(label, ""),
+                   "probes": len(best.probes)}
 
 
 def schedules_config(args) -> RunConfig:
@@ -304,8 +321,10 @@ def run_command(name: str, args, rows_of: Callable, out: Path) -> list[dict]:
         base, budget, _ = memory_config(args)
         counted = "the budget is applied to each stage's measured parameters + gradients + Adam state + activations"
         how = f"CPU: {counted}" if args.device != "cuda" else (
-            f"GPUs: {torch.cuda.device_count()}; K up to that many stages on GPUs of their own: a real cap, the "
-            f"allocator's peak per GPU and real out-of-memory errors; more stages share GPUs: {counted}")
+            f"GPUs: {torch.cuda.device_count()}; rows measured by the {ALLOCATOR} (K up to that many stages, each "
+            f"on a GPU of its own): a real cap, the allocator's peak per GPU and real out-of-memory errors; rows "
+            f"measured by the {COUNT} (every K, whether stages share GPUs or not): {counted}; growth vs naive is "
+            f"against the naive row of the same measure")
         lines.append(f"# budget {budget} bytes per device ({budget / 2 ** 20:.1f} MiB); {how}; "
                      f"width {base.width}, batch {base.batch}, M {base.micro_batches}")
     if name == "speedup":

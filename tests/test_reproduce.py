@@ -74,6 +74,23 @@ def test_memory_quick_finds_growing_models(tmp_path):
     assert "CPU: the budget is applied to each stage's measured" in (tmp_path / "memory.md").read_text()
 
 
+def test_memory_on_gpus_grows_each_measure_against_its_own_naive_row(monkeypatch):
+    """With 2 GPUs the allocator's capped peak judges K <= 2 and the engine's count judges every K;
+    a row's growth never divides one measure by the other (faked GPUs and searches)."""
+    monkeypatch.setattr(reproduce.torch.cuda, "device_count", lambda: 2)
+
+    def largest(base, stages, checkpoint, budget, max_blocks, label="", counted=False, progress=None):
+        params = (100 if counted else 80) * stages * (2 if checkpoint == "always" else 1)
+        return reproduce.fit.Largest(label, stages, checkpoint, 4, 6, params, budget, ())
+    monkeypatch.setattr(reproduce.fit, "largest", largest)
+    args = reproduce.parser().parse_args(["memory", "--quick", "--device", "cuda"])
+    rows = list(reproduce.memory_rows(args, lambda label: None))
+    assert [(r["measured by"], r["K"], r["growth vs naive"]) for r in rows] == [
+        (reproduce.ALLOCATOR, 1, 1.0), (reproduce.ALLOCATOR, 1, 2.0), (reproduce.ALLOCATOR, 2, 4.0),
+        (reproduce.COUNT, 1, 1.0), (reproduce.COUNT, 1, 2.0), (reproduce.COUNT, 2, 4.0), (reproduce.COUNT, 4, 8.0),
+        (reproduce.COUNT, 8, 16.0)]
+
+
 def test_peers_quick_races_every_implementation(tmp_path):
     assert reproduce.main(["peers", "--quick", "--out", str(tmp_path)]) == 0
     rows = read_csv(tmp_path / "peers.csv")
