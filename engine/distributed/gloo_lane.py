@@ -11,6 +11,12 @@ interpreter lock at every tensor op). A sender thread waits for each send to com
 its buffers, so no stage thread ever blocks on a neighbour. The lane's groups are its own (made
 from the pipe's ranks, with one-year timeouts), so its traffic never mixes with the user's and an
 idle pipe never times out; they are destroyed when the lane closes.
+
+NCCL receives are posted on a stream of their own per edge, so that they wait for nothing the
+stage has queued (a receive posted under the stage's stream would start only once all of it ran).
+A failed call ends NCCL's part of the lane: sends posted to a neighbour that stopped reading would
+never match, and a GPU stream waiting on them would never be free again, so the edges' NCCL groups
+are aborted at once and a later call on the lane raises StageFailed (make a new pipe).
 """
 from __future__ import annotations
 
@@ -28,6 +34,7 @@ import torch.distributed as dist
 
 from . import wire
 from .wire import Arrival, Lost
+from ..transport import StageFailed
 from .works import until_completed
 
 HEADER_TAG, DATA_TAG, CLOCK_TAG = 1, 2, 3
@@ -71,6 +78,9 @@ class GlooLane:
         self._reap = threading.Condition()           # wakes the sender thread: reap what is in flight
         self._wakes = 0
         self._closed = False
+        self.error: Optional[tuple[int, BaseException]] = None  # (peer, error) a listener or the sender met
+        self._abandoned = False                      # a call failed: NCCL's groups are aborted
+        self._receive_streams: dict = {}             # NCCL edge -> the stream its receives are posted on
         self._links = [_Link(peer, self.wire) for peer in peers]
         self._threads = [threading.Thread(target=self._listen, args=(link,), daemon=True,
                                           name=f"gpipe-listen-{rank}-from-{link.peer}") for link in self._links]
@@ -79,7 +89,22 @@ class GlooLane:
             thread.start()
 
     def begin(self) -> None:
-        """A new call: the last call's sends are complete by now, so their buffers can go."""
+        """A new call: the last call's sends are complete by now, so their buffers can go. After a
+        failed call, a lane with NCCL cannot go on (see the module docstring)."""
+        if self._abandoned:
+            raise StageFailed(f"rank {self.rank}: an earlier call failed and its NCCL transfers were aborted, "
+                              f"so this pipe cannot run another call; close it and make a new one")
+        self._wake_sender()
+
+    def abandon(self) -> None:
+        """The current call failed somewhere: abort NCCL's groups, so that no GPU stream and no
+        thread of this rank waits for transfers a failed neighbour will never match (gloo needs
+        nothing: its waits end when a peer's connection closes, and a live peer still reads)."""
+        if self._abandoned or not self.tensor_groups:
+            return
+        self._abandoned = True
+        for group, _ in self.tensor_groups.values():
+            abort_group(group)
         self._wake_sender()
 
     def post(self, destination: int, step: int, kind: str, micro: int, chunk: int, decision, value) -> None:
@@ -127,8 +152,12 @@ class GlooLane:
         edge = self.tensor_groups.get((header.kind, peer, self.rank))
         if edge is not None:
             group, local_peer = edge
-            tensors = wire.empty_tensors(header, home)
-            works = [group.recv([t], local_peer, 0) for t in tensors if t is not None]
+            stream = self._receive_streams.get(edge)
+            if stream is None:
+                stream = self._receive_streams[edge] = torch.cuda.Stream(home)
+            with torch.cuda.stream(stream):  # waits for nothing the stage queued; the stage waits for it
+                tensors = wire.empty_tensors(header, home)
+                works = [group.recv([t], local_peer, 0) for t in tensors if t is not None]
             return wire.marked(tensors, header), works
         tensors = wire.empty_tensors(header, torch.device("cpu"))
         try:
@@ -174,8 +203,7 @@ class GlooLane:
             try:
                 link.works[slot].wait()
             except Exception as error:
-                if not self._closed:
-                    self._events.put((None, error, link.peer))
+                self._fail(link.peer, error)
                 return
             if struct.unpack_from("<q", link.views[slot], 16)[0] == wire.KINDS.index("bye"):
                 goodbyes += 1
@@ -186,6 +214,17 @@ class GlooLane:
                 link.repost(slot)
                 continue
             self._events.put((link, slot))
+
+    def _fail(self, peer: int, error: BaseException) -> None:
+        """A listener or the sender lost its connection to `peer`: tell the stage thread, whether it
+        waits for a frame (an event) or polls an NCCL receive (`error`)."""
+        if not self._closed and not self._abandoned:
+            self.error = (peer, error)
+            self._events.put((None, error, peer))
+
+    def _raise_if_abandoned(self) -> None:
+        if self._abandoned:
+            raise _Abandoned
 
     def _wake_sender(self) -> None:
         with self._reap:
@@ -206,12 +245,16 @@ class GlooLane:
                 try:
                     for work in gloo:  # returns once gloo has sent the buffer (is_completed() would never say so)
                         work.wait()
-                    until_completed(nccl, pause_cap=1e-3)  # NCCL's wait() returns at once, before the send is done
+                    # NCCL's wait() returns at once, before the send is done; after a failure its
+                    # sends may never complete: the groups are aborted and the buffers let go
+                    until_completed(nccl, self._raise_if_abandoned, every=0.01, pause_cap=1e-3)
                     for work in nccl:
                         work.wait()
+                except _Abandoned:
+                    self._in_flight.clear()
+                    return
                 except Exception as error:
-                    if not self._closed:
-                        self._events.put((None, error, destination))
+                    self._fail(destination, error)
                     return
                 self._in_flight.popleft()
                 del gloo, nccl, _buffers
@@ -242,11 +285,26 @@ class GlooLane:
         deadline = time.monotonic() + timeout
         for thread in self._threads:
             thread.join(timeout=max(0.0, deadline - time.monotonic()))
-        for group in [self.wire, *(group for group, _ in self.tensor_groups.values())]:
+        for group in [self.wire, *([] if self._abandoned else [group for group, _ in self.tensor_groups.values()])]:
             try:
                 dist.destroy_process_group(group)
             except Exception:  # the default group is already gone (the process is shutting down)
                 pass
+
+
+class _Abandoned(Exception):
+    """The lane gave up its NCCL transfers (a call failed): the sender thread stops waiting."""
+
+
+def abort_group(group) -> None:
+    """Abort a process group's pending work now (NCCL's abort: kernels waiting for a peer end)."""
+    try:
+        dist.distributed_c10d._abort_process_group(group)
+    except Exception:
+        try:
+            group.abort()
+        except Exception:  # already gone
+            pass
 
 
 def own_group(pipelines: list, members: list[int], **options):

@@ -165,6 +165,11 @@ class ShmLane:
     many seconds a wait polls before it sleeps (0: sleep at once)."""
 
     name = "shared memory"
+    error = None  # no waits on works here: a lost peer shows in `receive` itself
+
+    @staticmethod
+    def abandon() -> None:
+        """A call failed: nothing to abort (no transfer here waits for a peer outside `receive`)."""
 
     def __init__(self, rank: int, peers: list[int], store, prefix: str, on_stall: Callable[[], None],
                  spin: float = 0.0):

@@ -50,7 +50,6 @@ class Ranks:
 
     rank: int
     size: int
-    backend: str
 
     @property
     def is_first(self) -> bool:
@@ -73,7 +72,7 @@ def check_group(group, stages: int) -> Ranks:
     rank = dist.get_rank(group)
     if rank < 0:
         raise ValueError("this process is not a member of the group passed as group=")
-    return Ranks(rank, size, dist.get_backend(group))
+    return Ranks(rank, size)
 
 
 def shm_prefix() -> str:
@@ -94,25 +93,70 @@ def _clock_id() -> str:
 @dataclass(frozen=True)
 class World:
     """What every rank of the world told the others when its pipe was made: the pipelines (their
-    ranks), each rank's clock and device type. Every rank of the world makes its pipes in the same
-    order (as torch.distributed's groups require), so the n-th pipe of every rank meets here."""
+    ranks), each rank's clock, device type and GPU (its identity: one physical GPU has one, however
+    CUDA_VISIBLE_DEVICES numbers it), and whether its group carries CUDA tensors over NCCL. Every
+    rank of the world makes its pipes in the same order (as torch.distributed's groups require), so
+    the n-th pipe of every rank meets here."""
 
     store: object                   # the Store under this pipe's prefix, shared by the whole world
     pipelines: list[list[int]]      # the ranks of each pipeline, in one order for every rank
     clocks: dict[int, str]          # global rank -> its machine's clock
     device_types: list[str]
+    gpus: list[str]                 # per global rank: its GPU's identity, "" on a CPU
+    nccl: list[bool]                # per global rank: its group has NCCL for CUDA tensors
 
     @property
     def one_host(self) -> bool:
         return len(set(self.clocks.values())) == 1
 
+    @property
+    def uses_nccl(self) -> bool:
+        """Whether payloads go over NCCL: every rank on a GPU with NCCL in its group, and no GPU
+        shared by two ranks of one machine (NCCL refuses two ranks on one GPU; the host path works)."""
+        return use_nccl(self.device_types, self.nccl, [(self.clocks[r], gpu) for r, gpu in enumerate(self.gpus)])
+
     @classmethod
-    def gather(cls, members: list[int], device: torch.device) -> "World":
+    def gather(cls, members: list[int], device: torch.device, group) -> "World":
         store = dist.PrefixStore(f"gpipe-lab/{next(_serials)}/", dist.distributed_c10d._get_default_store())
-        store.set(f"rank/{dist.get_rank()}", json.dumps([members, _clock_id(), device.type]))
+        store.set(f"rank/{dist.get_rank()}",
+                  json.dumps([members, _clock_id(), device.type, gpu_identity(device), nccl_in(group)]))
         told = [json.loads(store.get(f"rank/{r}")) for r in range(dist.get_world_size())]
-        return cls(store, sorted({tuple(m) for m, _, _ in told}), {r: clock for r, (_, clock, _) in enumerate(told)},
-                   [kind for _, _, kind in told])
+        return cls(store, sorted({tuple(t[0]) for t in told}), {r: t[1] for r, t in enumerate(told)},
+                   [t[2] for t in told], [t[3] for t in told], [t[4] for t in told])
+
+
+def use_nccl(device_types: list[str], nccl: list[bool], gpus: list[tuple[str, str]]) -> bool:
+    """The lane's choice of NCCL for payloads, from what every rank told (see World.uses_nccl):
+    `gpus` holds each rank's (machine, GPU identity)."""
+    return set(device_types) == {"cuda"} and all(nccl) and len(set(gpus)) == len(gpus)
+
+
+def nccl_in(group) -> bool:
+    """Whether `group` moves CUDA tensors over NCCL. get_backend says "nccl" for a plain NCCL group,
+    but "undefined" or "cpu:gloo,cuda:nccl" for one made without a backend (init_process_group()
+    or init_device_mesh("cuda")) or with one per device type; the group's configuration says which
+    backend serves CUDA tensors."""
+    backend = str(dist.get_backend(group)).lower()
+    if backend == "nccl":
+        return True
+    try:
+        config = str(dist.get_backend_config(group)).lower()
+    except (AttributeError, RuntimeError, ValueError):
+        return False
+    return config == "nccl" or "cuda:nccl" in config.replace(" ", "").split(",")
+
+
+def gpu_identity(device: torch.device) -> str:
+    """Which physical GPU `device` is (its UUID, else its PCI bus id), "" for a CPU: the same on
+    every rank that sees that GPU, whatever index CUDA_VISIBLE_DEVICES gives it there."""
+    if device.type != "cuda":
+        return ""
+    properties = torch.cuda.get_device_properties(device)
+    for name in ("uuid", "pci_bus_id"):
+        value = getattr(properties, name, None)
+        if value is not None:
+            return str(value)
+    return f"{socket.gethostname()}/{os.environ.get('CUDA_VISIBLE_DEVICES', '')}/{device.index}"
 
 
 @dataclass(frozen=True)
@@ -136,7 +180,7 @@ class ProcessTransport:
                  wraps: bool = False):
         self.ranks, self.device, self.upstream = ranks, device, upstream
         members = dist.get_process_group_ranks(group)
-        world = World.gather(members, device)
+        world = World.gather(members, device, group)
         self.shared = world.store  # failures are told world-wide: replicas of a stage stop together
         self.store = dist.PrefixStore(f"{'-'.join(map(str, members))}/", world.store)
         clocks = [world.clocks[member] for member in members]
@@ -169,8 +213,8 @@ class ProcessTransport:
                                     on_stall=self.check_failures, spin=shm_lane.spin_for(len(world.clocks)))
         if asked == "shm":
             raise ValueError("GPIPE_LANE=shm but the ranks are not all on this host, or the stages are on GPUs")
-        return GlooLane(self.ranks.rank, world.pipelines, members, peers, self.device,
-                        nccl=set(world.device_types) == {"cuda"} and self.ranks.backend == "nccl", wraps=wraps)
+        return GlooLane(self.ranks.rank, world.pipelines, members, peers, self.device, nccl=world.uses_nccl,
+                        wraps=wraps)
 
     # --- one call ---------------------------------------------------------------------------
 
@@ -192,7 +236,7 @@ class ProcessTransport:
         host waits here until NCCL has delivered it, looking for failures meanwhile: a GPU stream
         that waited for a lost peer would stall this rank past every check."""
         value, works = self._get((self.step, *key))
-        until_completed(works or [], self.check_failures, every=POLL_SECONDS)
+        until_completed(works or [], self._check_receiving, every=POLL_SECONDS)
         return value, works
 
     def send(self, source: int, destination: int, key, value: Value) -> None:
@@ -227,6 +271,7 @@ class ProcessTransport:
 
     def report_failure(self, description: str) -> None:
         """Tell every rank that this rank's part of the current call failed (the first report stays)."""
+        self.lane.abandon()
         try:
             self.shared.compare_set(f"failed/{self.step}", "", description)
         except Exception:  # the store is gone too: every rank will notice that by itself
@@ -239,14 +284,25 @@ class ProcessTransport:
                 if self.shared.check([key]):
                     raise StageFailed(self.shared.get(key).decode())
         except StageFailed:
+            self.lane.abandon()
             raise
         except Exception as error:
+            self.lane.abandon()
             raise StageFailed(f"rank {self.ranks.rank} lost the pipeline's store, the side channel every rank "
                               f"shares (it lives with the launcher or the process that made it): {error}") from None
+
+    def _check_receiving(self) -> None:
+        """While the host waits for an NCCL receive: a connection the lane lost (a dead neighbour's
+        sockets close at once), or a failure told through the store."""
+        if self.lane.error is not None:
+            self._failure = self._lost(*self.lane.error)
+            raise self._failure
+        self.check_failures()
 
     def _lost(self, peer: int, error: BaseException) -> StageFailed:
         """The connection to `peer` broke: this rank gives up, and tells the others through the store,
         unless a failure reported there already explains it (a failed rank may close its end first)."""
+        self.lane.abandon()
         try:
             self.check_failures()
         except StageFailed as reported:
