@@ -173,6 +173,33 @@ def test_without_the_drivers_folder_gpus_are_counted_by_nvidia_smi_as_on_wsl2(tm
     assert visible_gpus(absent, smi=(str(tmp_path / "no-smi"),)) == 0
 
 
+def test_a_pools_stage_takes_the_gpu_of_its_pool_rank_not_an_inherited_local_rank(pretend_gpus, monkeypatch):
+    """A pool started from a torchrun worker: its children inherit LOCAL_RANK=3, yet stage k is on
+    cuda:k mod the GPUs (four, faked), as the pool's own ranks say."""
+    from engine.distributed import pool
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    monkeypatch.setattr(pool, "join", lambda *args, **kwargs: None)   # no group: only where the stage goes
+    placed = [pool.StageServer(rank, 6, "", 1, False, "cuda").device for rank in range(6)]
+    assert placed == [torch.device("cuda", k % 4) for k in range(6)]
+    assert pool.StageServer(1, 2, "", 1, False, "cpu").device == "cpu"
+
+
+@pytest.mark.parametrize("local_rank,expected", [(None, 3), ("2", 2)])
+def test_without_local_rank_a_replicas_stage_takes_the_gpu_of_its_world_rank(pretend_gpus, monkeypatch,
+                                                                             local_rank, expected):
+    """Replica 1's stage 1 of pipelines of K=2 is world rank 3: cuda:3, not cuda:1 beside replica 0's
+    stage 1; under torchrun, LOCAL_RANK decides."""
+    from engine.distributed import runner
+    from engine.distributed.transport import Ranks
+    monkeypatch.setattr(runner, "check_group", lambda group, stages: Ranks(1, 2))
+    monkeypatch.setattr(dist, "get_rank", lambda group=None: 3)
+    if local_rank is None:
+        monkeypatch.delenv("LOCAL_RANK", raising=False)
+    else:
+        monkeypatch.setenv("LOCAL_RANK", local_rank)
+    assert runner.place(None, 2, "cuda", None) == (1, torch.device("cuda", expected))
+
+
 def test_the_notebooks_device_is_the_cpu_unless_asked(monkeypatch):
     monkeypatch.delenv(host.DEVICE_VARIABLE, raising=False)
     assert host.lab_device() == "cpu"

@@ -210,12 +210,14 @@ class StageServer:
     """A stage process: joins the pool's group, then answers the pool's commands."""
 
     def __init__(self, rank: int, size: int, store: str, threads: int, keep_freed_memory: bool, device: str):
-        from ..device import keep_freed_cpu_memory
+        from ..device import keep_freed_cpu_memory, spread
 
         if keep_freed_memory:
             keep_freed_cpu_memory()
         torch.set_num_threads(threads)
-        self.rank, self.threads, self.device = rank, threads, device
+        # "cuda": the GPU of this rank of the pool (cuda:rank mod count), never a LOCAL_RANK inherited from a
+        # torchrun worker that started the pool (every stage would land on that worker's GPU)
+        self.rank, self.threads, self.device = rank, threads, spread(device, size)[rank]
         join(store, rank, size, timeout=START_SECONDS)
         self.pipe, self.optimizer = None, None
         self.tell = None  # set by children.serve: sends the parent a note while a command runs

@@ -32,10 +32,11 @@ from .transport import ProcessTransport, Ranks, StageFailed, check_group
 def place(group, stages: int, devices, module) -> tuple[int, torch.device]:
     """This process's stage (its rank in `group`) and its device, by the policy of
     engine.device.resolve_devices, except that "cuda" means this rank's GPU: cuda:LOCAL_RANK (mod
-    the GPUs visible)."""
+    the GPUs visible) under torchrun, else cuda:(rank in the world) mod the GPUs, so that the
+    replicas' stages do not all share the GPUs of the first pipeline."""
     ranks = check_group(group, stages)
     if str(devices) == "cuda" and torch.cuda.is_available():
-        local = int(os.environ.get("LOCAL_RANK", ranks.rank)) % torch.cuda.device_count()
+        local = int(os.environ.get("LOCAL_RANK", dist.get_rank())) % torch.cuda.device_count()
         return ranks.rank, check_device(torch.device("cuda", local), ranks.rank)
     return ranks.rank, resolve_devices(devices, stages, module)[ranks.rank]
 
