@@ -2,21 +2,34 @@
 
 CPU is a first-class device: every stage may be "cpu", each worker then limits its intra-op
 threads so that K workers share the cores instead of oversubscribing them. On CUDA each stage
-computes on a stream of its own; tensors cross to the next stage's device on the sender's stream
-and the receiver waits on an event before touching them.
+computes on a stream of its own; tensors cross to the next stage's GPU on the sender's stream,
+ordered on the receiving GPU by a stream of that edge alone (a copy into a GPU otherwise waits for
+everything on that GPU's default stream, so every copy into it would wait for every earlier one),
+and the receiver waits on an event recorded there before touching them. Inputs and targets from
+the host are pinned first: a copy from pageable memory makes the host wait for the GPU.
 """
 from __future__ import annotations
 
 import ctypes
 import os
 import time
-from contextlib import ExitStack
+from contextlib import ExitStack, nullcontext
 from typing import Optional, Sequence
 
 import torch
 from torch import nn
 
 from .microbatch import Value, rebuild, tensors_of
+
+
+def pinned(value: Value, devices) -> Value:
+    """`value` in page-locked host memory if it is on the host and any of `devices` is a GPU (a
+    copy from there to a GPU lets the host go on; from pageable memory it waits for the GPU's
+    queued work), else `value` itself."""
+    if not any(torch.device(d).type == "cuda" for d in devices):
+        return value
+    return rebuild(value, [t.pin_memory() if t.device.type == "cpu" and not t.is_pinned() else t
+                           for t in tensors_of(value)])
 
 
 def cpu_cores() -> int:
@@ -107,6 +120,7 @@ class StageDevice:
         self.threads = threads
         self.is_cuda = device.type == "cuda"
         self.stream = torch.cuda.Stream(device) if self.is_cuda else None
+        self._edges: dict[torch.device, "torch.cuda.Stream"] = {}  # destination GPU -> its stream for this edge
         self._origin = None
         self._t0 = 0.0
 
@@ -114,6 +128,11 @@ class StageDevice:
         """Mark the step's time origin: host time `t0`, and on CUDA `origin`, an event recorded on
         this GPU at that moment (one per GPU, shared by the stages on it, so their times agree)."""
         self._t0, self._origin = t0, origin
+
+    def on_stream(self):
+        """A context in which CUDA work queues on this stage's stream (nothing on a CPU), for the
+        caller's own set-up of the stage, such as counters read back at the end of the step."""
+        return torch.cuda.stream(self.stream) if self.is_cuda else nullcontext()
 
     def enter(self) -> ExitStack:
         """Set up the calling worker thread: intra-op threads on CPU, device and stream on CUDA."""
@@ -153,18 +172,26 @@ class StageDevice:
         """Move `value` towards `destination` on this stage's stream; returns what to put in the mailbox:
         the moved value and the event the receiver waits on (None when the copy is complete on return,
         as a copy to the host is)."""
-        to_gpu = destination.type == "cuda"
-        moved = rebuild(value, [None if t is None else t.to(destination, non_blocking=to_gpu)
-                                for t in tensors_of(value)])
-        if not to_gpu:
-            return moved, None
+        if destination.type != "cuda":
+            return rebuild(value, [None if t is None else t.to(destination) for t in tensors_of(value)]), None
+        if destination == self.device:  # same GPU: the receiver waits for this stage's stream
+            ready = torch.cuda.Event()
+            ready.record(self.stream)
+            return value, ready
+        edge = self._edges.get(destination)
+        if edge is None:
+            edge = self._edges[destination] = torch.cuda.Stream(destination)
+        with torch.cuda.stream(edge), torch.cuda.stream(self.stream):  # the copy queues on this stream and is
+            moved = rebuild(value, [None if t is None else t.to(destination, non_blocking=True)  # ordered on the
+                                    for t in tensors_of(value)])  # destination by `edge`, not its default stream
         ready = torch.cuda.Event()
-        ready.record(torch.cuda.current_stream(destination))
+        ready.record(edge)
         return moved, ready
 
     def to_here(self, value: Value) -> Value:
         """Move a value from outside the pipeline (an input or target chunk) onto this stage's device,
-        without making the host wait for this stage's queued work."""
+        without making the host wait for this stage's queued work (`pinned` values come from the host's
+        page-locked memory, which a non-blocking copy needs)."""
         return rebuild(value, [t.to(self.device, non_blocking=self.is_cuda) for t in tensors_of(value)])
 
     def receive(self, payload) -> Value:

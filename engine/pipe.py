@@ -9,7 +9,7 @@ from torch import nn
 from . import schedule as schedules
 from .call import Call, Decision, micro_batch_sizes
 from .chunk import Chunk
-from .device import StageDevice, cpu_cores, resolve_devices
+from .device import StageDevice, cpu_cores, pinned, resolve_devices
 from .microbatch import Value, check_inputs, check_targets, scatter
 from .partition import check_module, resolve_balance, split
 from .rng import mix_seed
@@ -193,7 +193,7 @@ class GPipe(nn.Module):
                 raise ValueError(f"targets are missing on rank {self.rank}, which runs the last stage: pass the "
                                  f"mini-batch's targets there (other ranks may pass None)")
             check_targets(targets, decision.batch)
-            micro_targets = scatter(targets, self.chunks)
+            micro_targets = scatter(pinned(targets, self.devices), self.chunks)
         replicas = self._runner.replicas
         return Call(kind=kind, decision=decision, sizes=tuple(sizes),
                     micro_offset=0 if replicas is None else replicas.index * len(sizes),
@@ -201,7 +201,7 @@ class GPipe(nn.Module):
                     checkpointed=tuple(training and schedules.checkpointed(m, len(sizes), self.checkpoint)
                                        for m in range(len(sizes))),
                     record_memory=training and self.record_memory,
-                    inputs=scatter(inputs, self.chunks) if self._local.runs_first else None,
+                    inputs=scatter(pinned(inputs, self.devices), self.chunks) if self._local.runs_first else None,
                     targets=micro_targets, loss_fn=loss_fn if training else None)
 
 

@@ -16,7 +16,7 @@ import queue
 import threading
 import time
 import weakref
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack, contextmanager, suppress
 from typing import Callable, Iterable, Optional
 
 from .call import Call, Decision
@@ -116,15 +116,20 @@ class ThreadRunner:
         """Run the call's tasks; return (its result, its trace)."""
         t0 = self.origin = self.local.start(call)
         transport = ThreadTransport(self.local.chunks, self.stages)
-        if serial:
-            unit = timeline(call.schedule, lambda stage, task: 1.0)
-            order = sorted((start, k, i) for k, times in enumerate(unit) for i, (start, _) in enumerate(times))
-            marks = run_tasks(self.local, [(k, call.schedule[k][i]) for _, k, i in order], transport,
-                              live(self.local, on_event), settle=True)
-        else:
-            if self._threads is None:
-                self._threads = StageThreads(self.stages)
-            marks = self._threads.run(self.local, call.schedule, transport, on_event)
+        try:
+            if serial:
+                unit = timeline(call.schedule, lambda stage, task: 1.0)
+                order = sorted((start, k, i) for k, times in enumerate(unit) for i, (start, _) in enumerate(times))
+                marks = run_tasks(self.local, [(k, call.schedule[k][i]) for _, k, i in order], transport,
+                                  live(self.local, on_event), settle=True)
+            else:
+                if self._threads is None:
+                    self._threads = StageThreads(self.stages)
+                marks = self._threads.run(self.local, call.schedule, transport, on_event)
+        except BaseException:
+            with suppress(Exception):  # the failed call's GPU work ends before its state is dropped
+                self.local.settle()
+            raise
         self.local.settle()
         wall = time.perf_counter() - t0
         result = self.local.conclude(call)

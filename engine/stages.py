@@ -49,8 +49,9 @@ class LocalStages:
             device.start(t0, origins.get(device.device))
             mine = [chunk for chunk in self.chunks.values() if chunk.stage == stage]
             ledger = ActivationLedger([p for chunk in mine for p in chunk.parameters()])
-            for chunk in mine:
-                chunk.start(call, ledger)
+            with device.on_stream():  # e.g. batch norm's counters, read back on this stream's timeline
+                for chunk in mine:
+                    chunk.start(call, ledger)
         return t0
 
     def settle(self) -> None:
