@@ -140,15 +140,21 @@ def choose_balance(config: RunConfig, model: nn.Sequential, inputs) -> list[int]
         return even_balance(config.layers, chunks)
     sample = micro_sample(inputs, config)
     if config.balance == "time":
-        return balance_by_time(chunks, model, sample)
+        return balance_by_time(chunks, model, profiled_on(config, sample))
     return balance_by_size(chunks, model, sample)
 
 
+def profiled_on(config: RunConfig, sample):
+    """The sample moved to the device the stages compute on: layers are timed where they will run
+    (a GPU's costs are not a CPU's, nor in the same proportions)."""
+    return sample.to(devices_for(config)[0])
+
+
 def layer_costs(config: RunConfig) -> list[float]:
-    """Forward+backward seconds of each layer on one micro-batch of the configuration: the costs
-    balance="time" cuts by (engine.balance.layer_times)."""
+    """Forward+backward seconds of each layer on one micro-batch of the configuration, on its
+    device: the costs balance="time" cuts by (engine.balance.layer_times)."""
     model, (inputs, _), _ = build(config)
-    return layer_times(model, micro_sample(inputs, config))
+    return layer_times(model, profiled_on(config, micro_sample(inputs, config)))
 
 
 def pipe_options(config: RunConfig) -> dict:

@@ -125,3 +125,18 @@ def test_a_copy_into_a_gpu_waits_for_nothing_else_queued_there():
     assert time.perf_counter() - start < 0.5 and moved.device == torch.device("cuda", 1)
     torch.cuda.synchronize(1)
     assert torch.equal(moved.cpu(), torch.arange(4.0))
+
+
+def test_balance_by_time_profiles_on_the_stages_device(monkeypatch):
+    """balance="time" times the layers where the stages will run them, not on the host's CPU."""
+    from lab import experiments
+    from lab.config import RunConfig
+    seen = []
+    monkeypatch.setattr(experiments, "devices_for", lambda config: ["meta"] * config.stages)
+    monkeypatch.setattr(experiments, "balance_by_time", lambda k, model, sample: seen.append(sample.device) or [1] * k)
+    monkeypatch.setattr(experiments, "layer_times", lambda model, sample: seen.append(sample.device) or [])
+    config = RunConfig(model="mlp", blocks=4, width=8, batch=8, stages=2, micro_batches=2, balance="time")
+    model, (inputs, _), _ = experiments.build(config)
+    experiments.choose_balance(config, model, inputs)
+    experiments.layer_costs(config)
+    assert seen == [torch.device("meta")] * 2
