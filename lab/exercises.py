@@ -1,17 +1,26 @@
 """Checks for the lessons' "your turn" cells: each runs what the learner wrote against the lab's
 own answer and, when it differs, says what is wrong and why, not just that it is.
 
-A check never stops a notebook (Run All runs every cell, as Kaggle Learn's `q.check()` does): it
-returns one line, "✓ ..." for a right answer, "✗ ..." with the specific feedback for a wrong one,
-and "… not attempted yet: ..." while the `...` is still there. The cells after an exercise use
+A check never stops a notebook (Run All runs every cell, as Kaggle Learn's `q.check()` does), and
+never raises, whatever it is given: it returns one line, "✓ ..." for a right answer, "✗ ..." with
+the specific feedback for a wrong one, and "… not attempted yet: ..." while the `...` is still
+there. Each known mistake has its own sentence in `SAYS`, which the tests hold the checks to. A
+number is a number whether Python, numpy or torch made it. The cells after an exercise use
 `yours_if_right`, so they run the same whether or not the learner has done it.
 """
 from __future__ import annotations
 
 import functools
+import itertools
 import math
-from typing import Any, Callable
+import numbers
+import random
+import re
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any, Callable, Optional, Sequence
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -21,6 +30,118 @@ from engine.memory import ActivationLedger
 from engine.schedule import gpipe
 
 from . import theory
+
+# Every known mistake's sentence, by family. A check names the family it recognized in the answer.
+SAYS = {
+    # any exercise
+    "raised": "Fix the error in your function, then run this cell again",
+    "not a function": "define a function with def, as the cell above does, and pass the function itself",
+    "not a number": "expected a number (an int or a float)",
+    "constant": "your function returns the same value whatever its arguments: the answer depends on them",
+    "integer division": "integer division (//) drops the fraction: use /",
+    "percent": "that is a percentage; expected a fraction between 0 and 1 (drop the x 100)",
+    "swapped": "you swapped the arguments: the function is called with them in the order its signature shows",
+    # bytes
+    "weights alone": "that counts the weights alone: training also keeps a gradient per weight and Adam's two moments",
+    "weights and gradients": "that counts weights and gradients: Adam adds two moments per weight",
+    "one moment": "12 bytes per parameter is RMSProp's count, one moment (the paper's Table 1); Adam keeps two",
+    "bits": "that counts bits; expected bytes (8 bits each)",
+    "megabytes": "expected bytes, not megabytes: leave the unit as it is",
+    # bubble and speedup
+    "busy share": "that is the share of time a stage works; the bubble is the share it waits, 1 minus it",
+    "idle slots": "that counts idle slots; expected their share of the step: divide by the slots in all",
+    "divided by M": "you divided by M, but the step lasts M+K-1 slots: M of work plus K-1 of fill (or drain)",
+    "off by one slot": "off by one: the first micro-batch needs K slots to cross the pipe and each later one 1 "
+                       "more, M+K-1 in all, K-1 of them idle",
+    "forgets the bubble": "K forgets the bubble: each device is busy only M/(M+K-1) of the time",
+    "one device's share": "that is one device's busy share; K devices work in parallel, so multiply by K",
+    "bubble times K": "that multiplies the bubble, the idle share, by K; the speedup counts the busy share",
+    # fill-drain order
+    "schedule shape": "expected a list of K lists of task names such as \"F0\" and \"B3\", one list per stage",
+    "flat list": "that is one flat list of tasks; expected one list per stage (K lists), each with that stage's tasks",
+    "K and M swapped": "you made one list per micro-batch; expected one list per stage: K lists, each with 2M tasks",
+    "task names": "name each task as a string: \"F\" or \"B\" and the micro-batch's number, as in \"F0\" and \"B3\"",
+    "numbered from 0": "micro-batches are numbered from 0 to M-1, as range(M) gives them",
+    "no recompute": "this schedule runs no recompute (R): only forwards and backwards",
+    "every task once": "every stage runs each micro-batch's forward and backward exactly once",
+    "fill before drain": "all forwards come before any backward (the pipe fills, then drains)",
+    "forward order": "forwards run in micro-batch order, the order the mini-batch was split in",
+    "drain order": "the drain runs the last micro-batch first: it is the first to finish its forward",
+    # a checkpointed stage
+    "not a tensor": "expected a tensor shaped like block(x)",
+    "different output": "the output differs from block(x): checkpointing changes what is kept, not what is computed",
+    "detached input": "the block ran on a detached input (x.detach(), or a tensor without requires_grad), so no "
+                      "gradient reaches x, and the stage before needs it; pass x itself to "
+                      "torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False)",
+    "no_grad": "the block ran under torch.no_grad(), which keeps nothing and forgets how to go back, so the output "
+               "carries no graph: checkpointing keeps the input and recomputes the forward in the backward; use "
+               "torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False)",
+    "detached output": "the output was detached (.detach() or .data), so it carries no graph and nothing can be "
+                       "differentiated: return what checkpoint returns, as it is",
+    "kept activations": "autograd kept the block's activations during the forward: checkpointing keeps only the "
+                        "input; wrap the block: torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False)",
+    "different gradients": "the gradients differ from a plain backward: the recompute must run the same block on "
+                           "the same input",
+    # gradient accumulation
+    "whole batch": "that is the whole batch at once: run the model on each of the M micro-batches "
+                   "(x.chunk(micro)), one forward and backward each, so that .grad accumulates",
+    "split for chunk": "x.split(micro) cuts chunks of `micro` samples each; x.chunk(micro) cuts `micro` chunks",
+    "micro-batch sizes": "run the model once on each of the M micro-batches of x.chunk(micro), one forward and "
+                         "backward each",
+    "no backward": "some parameters have no gradient: call .backward() on each micro-batch's loss",
+    "unscaled": "each micro-batch's loss is a mean over its own samples, so the sum of M of them is M times the "
+                "batch's mean: scale each by 1/M before .backward()",
+    "scaled twice": "the gradients are M times too small: scale each micro-batch's mean loss by 1/M once, not 1/M²",
+    "divided by its size": "you divided each micro-batch's loss by its number of samples, len(xs), but the loss is "
+                           "already a mean over them: divide by M, the number of micro-batches",
+    "zero_grad inside": "only the last micro-batch's gradient is left: zero_grad() inside the loop wipes what the "
+                        "earlier ones accumulated; zero the gradients once, before the loop (here they start at zero)",
+    "last one scaled": "only the last micro-batch's loss was scaled by 1/M: scale every micro-batch's loss",
+    "wrong scale": "every micro-batch's gradient entered with the same weight, but not 1/M: scale each mean loss by "
+                   "1/M",
+    "different accumulation": "the accumulated gradients are not any weighting of the micro-batches' own: run each "
+                              "micro-batch's forward and backward once, on the model as given",
+    # the best cut
+    "cut shape": "expected a list of K whole numbers, the layers of each stage, in order",
+    "cut edges": "those look like the positions of the cuts; expected how many layers each stage gets (K counts)",
+    "stage costs": "those look like the stages' costs; expected how many layers each stage gets",
+    "cut counts": "expected K counts of at least one layer each, summing to the number of layers",
+    "greedy cut": "your cut closes a stage as soon as it reaches total/K, which can leave a costlier stage later on: "
+                  "try every cut (or the engine's dynamic program) and keep the one whose costliest stage is cheapest",
+    "variance cut": "your cut makes the stages' costs as even as possible on average (least variance), but the "
+                    "pipeline runs at the pace of its costliest stage: minimize the maximum instead",
+    "not the min-max": "the pipeline runs at the pace of its costliest stage: among all cuts, keep the one whose "
+                       "costliest stage is cheapest",
+    # micro-batches in flight
+    "one less held": "that counts the fill's forwards only; the next forward runs before the first backward frees "
+                     "one, so one more is held",
+    "counted from the end": "that counts stages from the wrong end: stage 0, the first, holds the most (K), the last "
+                            "one only 1",
+    "same on every stage": "every stage gets the same count, but a stage further down the pipe holds fewer: the "
+                           "first holds K, the last 1",
+    # bytes per cut
+    "forward only": "that counts the activations going forward; their gradients, of the same size, come back",
+    "per sample": "that is per sample: the step carries all N samples across the cut",
+    # a first pipe
+    "not a pipe": "build it with GPipe(model, balance=..., chunks=...)",
+    "not run": "my_pipe has not run a training step yet: call my_pipe.step(inputs, targets, loss_fn)",
+    "forward only call": "my_pipe ran a forward only: call my_pipe.step(inputs, targets, loss_fn), which runs the "
+                         "backward too",
+    "batch too small": "torch.chunk cannot cut a batch into more micro-batches than it has samples: give the step a "
+                       "batch of at least 6 samples (a multiple of 6 makes them equal)",
+    # a plan
+    "plan shape": "choice must be a dict with the keys stages, micro_batches and checkpoint",
+    "plan not in table": "that setting is not among the table's rows: pick one of them",
+    "over budget": "the prediction says it does not fit: more stages or recompute shrink the most loaded stage",
+    "more stages": "more stages split the work K ways and shrink the model's share per device",
+    "more micro-batches": "more micro-batches shrink the bubble",
+    "fewer micro-batches": "fewer micro-batches do here (the table's time model counts a longer fill at this K)",
+    "drop recompute": "a setting without recompute also fits, and skips recompute's extra forward",
+    "add recompute": "recompute lets a faster setting fit",
+    # a layout
+    "layout shape": "MY_LAYOUT must be a pair of whole numbers (D, K)",
+    "layout swapped": "you swapped them: MY_LAYOUT is (D, K), replicas first, then stages",
+}
 
 
 class Feedback(Exception):
@@ -33,7 +154,8 @@ class NotAttempted(Exception):
 
 def _exercise(judge: Callable[..., str]) -> Callable[..., str]:
     """A check from a judge that returns "✓ ..." or raises Feedback / NotAttempted: the check
-    returns the line to print instead of raising."""
+    returns the line to print instead of raising, and anything else a judge meets in a strange
+    answer becomes a line too, saying what was expected."""
     @functools.wraps(judge)
     def check(*answer) -> str:
         try:
@@ -42,6 +164,9 @@ def _exercise(judge: Callable[..., str]) -> Callable[..., str]:
             return f"… not attempted yet: {why}"
         except Feedback as why:
             return f"✗ {why}"
+        except Exception as error:  # an answer no rule foresaw: say what the check expects
+            expected = (judge.__doc__ or "").strip().splitlines()[0]
+            return f"✗ the check could not use this answer ({type(error).__name__}: {error}); expected {expected}"
     return check
 
 
@@ -52,6 +177,7 @@ def yours_if_right(check: Callable[[Any], str], answer: Any, reference: Any) -> 
 
 
 def _attempted(answer, name: str):
+    """`answer`, or NotAttempted while it is still `...` (or None)."""
     if answer is None or answer is Ellipsis:
         raise NotAttempted(f"replace the `...` in {name} above with your answer, run that cell, then this one")
     return answer
@@ -61,12 +187,12 @@ def _called(fn: Callable, *args, returns: bool = True):
     """fn(*args), the learner's function: an exception in it becomes feedback that names it; with
     `returns`, a result of None or `...` means the answer is not written yet."""
     _attempted(fn, "the cell")
-    if not callable(fn):
-        raise Feedback(f"expected a function, got {type(fn).__name__}: define it with def, as the cell above does")
+    if not callable(fn) or isinstance(fn, type):
+        raise Feedback(f"expected a function, got {type(fn).__name__}: {SAYS['not a function']}")
     try:
         result = fn(*args)
-    except Exception as error:
-        raise Feedback(f"{_call_text(fn, args)} raised {type(error).__name__}: {error}") from error
+    except (Exception, SystemExit) as error:
+        raise Feedback(f"{_call_text(fn, args)} raised {type(error).__name__}: {error}. {SAYS['raised']}") from None
     if returns and (result is None or result is Ellipsis):
         raise NotAttempted(f"{_call_text(fn, args)} returned {result!r}: replace the `...` in it with your answer "
                            f"(and return it), run that cell, then this one")
@@ -74,101 +200,220 @@ def _called(fn: Callable, *args, returns: bool = True):
 
 
 def _call_text(fn: Callable, args: tuple) -> str:
-    return f"{fn.__name__}({', '.join(repr(a) if isinstance(a, (int, float, list)) else type(a).__name__ for a in args)})"
+    name = getattr(fn, "__name__", type(fn).__name__)
+    return f"{name}({', '.join(repr(a) if isinstance(a, (int, float, list)) else type(a).__name__ for a in args)})"
 
 
-def _close(a, b) -> bool:
-    """a is a number (Python's, numpy's, a one-element tensor) equal to b up to rounding."""
-    if isinstance(a, (bool, str)):
-        return False
+def _number(value) -> Optional[float]:
+    """The value of a real number made by Python, numpy or torch (a one-element tensor or array),
+    or None for anything else: a bool, a string, a list, a complex number."""
     try:
-        return math.isclose(float(a), b, rel_tol=1e-9, abs_tol=1e-12)
-    except (TypeError, ValueError, RuntimeError):
-        return False
+        if isinstance(value, torch.Tensor):
+            if value.numel() != 1 or value.dtype == torch.bool or value.is_complex():
+                return None
+            value = value.item()
+        elif isinstance(value, np.ndarray):
+            if value.size != 1 or value.dtype.kind not in "iuf":
+                return None
+            value = value.item()
+        if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
+            return None
+        return float(value)
+    except (TypeError, ValueError, OverflowError, RuntimeError):
+        return None
+
+
+def _whole(value) -> Optional[int]:
+    """A whole number (an int, an integral float, numpy's or torch's), or None."""
+    number = _number(value)
+    return int(number) if number is not None and math.isfinite(number) and number.is_integer() else None
+
+
+def _close(a: Optional[float], b: Optional[float]) -> bool:
+    """a equals b up to float32's rounding (a learner's numpy.float32 is a right answer too)."""
+    return a is not None and b is not None and math.isclose(a, b, rel_tol=1e-6, abs_tol=1e-9)
+
+
+def _shown(value: float) -> str:
+    return f"{value:g}" if float(value).is_integer() else f"{value:.4g}"
+
+
+@dataclass(frozen=True)
+class Formula:
+    """A formula exercise: the cases it is tried on, the right answer, and the mistakes it knows
+    (family in SAYS, what a function with that mistake returns)."""
+
+    names: tuple[str, ...]                      # the arguments' names, for the feedback
+    cases: tuple[tuple, ...]
+    right: Callable[..., float]
+    mistakes: tuple[tuple[str, Callable[..., float]], ...] = ()
+    hint: str = ""                              # said when no known mistake fits
+    fraction: bool = False                      # the answer is a share: a percentage is a known mistake
+    symmetric: bool = False                     # swapping the arguments gives the same answer
+
+    def known(self) -> list[tuple[str, Callable[..., float]]]:
+        """The exercise's own mistakes, then those of any formula that apply to it."""
+        generic = []
+        if any(not float(self.right(*case)).is_integer() for case in self.cases):
+            generic.append(("integer division", lambda *a: math.floor(self.right(*a))))
+        if self.fraction:
+            generic.append(("percent", lambda *a: 100 * self.right(*a)))
+        if len(self.names) == 2 and not self.symmetric:
+            generic.append(("swapped", lambda a, b: self.right(b, a)))
+        return [*self.mistakes, *generic]
+
+    def judge(self, fn: Callable) -> None:
+        """Raise Feedback unless fn gives the right answer on every case, naming the mistake it
+        recognizes in the answer, or saying that the answer is the same whatever the arguments."""
+        got = []
+        for case in self.cases:
+            result = _called(fn, *case)
+            value = _number(result)
+            if value is None:
+                raise Feedback(f"{self.where(case)}: {_call_text(fn, case)} returned {result!r:.60} "
+                               f"({type(result).__name__}): {SAYS['not a number']}")
+            got.append(value)
+        wrong = [(case, value) for case, value in zip(self.cases, got) if not _close(value, self.right(*case))]
+        if not wrong:
+            return
+        case, value = wrong[0]
+        said = f"{self.where(case)}: got {_shown(value)}, expected {_shown(self.right(*case))}"
+        for family, mistake in self.known():
+            if all(_close(mine, _safely(mistake, c)) for c, mine in zip(self.cases, got)):
+                raise Feedback(f"{said}: {SAYS[family]}")
+        if len(set(got)) == 1:
+            raise Feedback(f"{said}: {SAYS['constant']}")
+        raise Feedback(f"{said}{': ' + self.hint if self.hint else ''}")
+
+    def where(self, case: tuple) -> str:
+        return ", ".join(f"{name}={value:g}" for name, value in zip(self.names, case))
+
+
+def _safely(fn: Callable[..., float], case: tuple) -> Optional[float]:
+    """A mistake's value on a case, or None where it has none (a division by zero)."""
+    try:
+        return float(fn(*case))
+    except (ArithmeticError, ValueError):
+        return None
+
+
+TRAINING_BYTES = Formula(
+    ("parameters",), ((1,), (1000,), (123_456,)), lambda p: 16 * p,
+    (("weights alone", lambda p: 4 * p), ("weights and gradients", lambda p: 8 * p), ("one moment", lambda p: 12 * p),
+     ("bits", lambda p: 128 * p), ("megabytes", lambda p: 16 * p / 1e6), ("megabytes", lambda p: 16 * p / 2 ** 20)),
+    hint="4 bytes each for the weight, its gradient and Adam's two moments")
+NAIVE_BUBBLE = Formula(
+    ("K",), ((2,), (4,), (8,), (1,)), lambda k: (k - 1) / k,
+    (("busy share", lambda k: 1 / k), ("idle slots", lambda k: k - 1)),
+    hint="with one micro-batch the step is a chain of K stages, and each stage works during 1 of its K slots",
+    fraction=True)
+BUBBLE = Formula(
+    ("K", "M"), ((2, 1), (4, 4), (4, 16), (8, 32), (1, 4), (3, 2)), lambda k, m: (k - 1) / (m + k - 1),
+    (("busy share", lambda k, m: m / (m + k - 1)), ("divided by M", lambda k, m: (k - 1) / m),
+     ("off by one slot", lambda k, m: (k - 1) / (m + k)), ("off by one slot", lambda k, m: k / (m + k - 1)),
+     ("off by one slot", lambda k, m: (k - 1) / (m + k - 2)), ("idle slots", lambda k, m: k - 1)),
+    hint="the bubble is (K-1)/(M+K-1): K-1 idle slots of fill and drain out of M+K-1", fraction=True)
+IDEAL_SPEEDUP = Formula(
+    ("K", "M"), ((1, 1), (2, 1), (4, 4), (8, 32), (3, 5)), lambda k, m: k * m / (m + k - 1),
+    (("forgets the bubble", lambda k, m: k), ("one device's share", lambda k, m: m / (m + k - 1)),
+     ("bubble times K", lambda k, m: k * (k - 1) / (m + k - 1)), ("off by one slot", lambda k, m: k * m / (m + k))),
+    hint="K devices, each busy M/(M+K-1) of the time: K·M/(M+K-1)", symmetric=True)
+IN_FLIGHT = Formula(
+    ("K", "k"), tuple((stages, stage) for stages in (1, 2, 4, 8) for stage in range(stages)),
+    lambda stages, stage: theory.peak_in_flight("1f1b", stages, 64, stage),
+    (("one less held", lambda stages, stage: stages - 1 - stage), ("counted from the end", lambda stages, stage: stage + 1),
+     ("same on every stage", lambda stages, stage: stages)),
+    hint="the fill takes K-1-k forwards, then one forward and one backward alternate")
+BOUNDARY_BYTES = Formula(
+    ("N", "bytes per sample"), ((1, 4.0), (32, 256.0), (64, 4096.0), (3, 100.0)), lambda n, b: 2 * n * b,
+    (("forward only", lambda n, b: n * b), ("per sample", lambda n, b: 2 * b), ("bits", lambda n, b: 16 * n * b)),
+    hint="activations forward and gradients back, N samples each way", symmetric=True)
 
 
 @_exercise
 def check_training_bytes(fn: Callable[[int], float]) -> str:
     """fn(parameters): bytes a float32 model with Adam keeps besides activations."""
-    for params in (1, 1000, 123_456):
-        got, want = _called(fn, params), 16 * params
-        if _close(got, 4 * params):
-            raise Feedback(f"{params} parameters: {got} counts the weights alone; training also keeps a gradient "
-                           f"per weight and Adam's two moments")
-        if _close(got, 8 * params):
-            raise Feedback(f"{params} parameters: {got} counts weights and gradients; Adam adds two moments per weight")
-        if not _close(got, want):
-            raise Feedback(f"{params} parameters: got {got}, expected {want} (4 bytes each for the weight, its "
-                           f"gradient and Adam's two moments)")
+    TRAINING_BYTES.judge(fn)
     return "✓ 16 bytes per parameter: weights, gradients and Adam's two moments, 4 bytes each"
 
 
 @_exercise
 def check_naive_bubble(fn: Callable[[int], float]) -> str:
     """fn(K): the idle share of K stages running one micro-batch (M = 1)."""
-    for stages in (2, 4, 8, 1):
-        got, want = _called(fn, stages), theory.bubble(stages, 1)
-        if _close(got, 1 / stages) and not _close(got, want):
-            raise Feedback(f"K={stages}: {got} is the share of time a stage works; the bubble is the share it waits")
-        if not _close(got, want):
-            raise Feedback(f"K={stages}: got {got}, expected {want:.4f}: with one micro-batch the step is a chain "
-                           f"of K stages, and each stage works during 1 of its K slots")
+    NAIVE_BUBBLE.judge(fn)
     return "✓ (K-1)/K: with M = 1 only one stage works at a time"
 
 
 @_exercise
 def check_bubble(fn: Callable[[int, int], float]) -> str:
     """fn(K, M): the bubble of GPipe's fill-drain schedule."""
-    for stages, micro in ((2, 1), (4, 4), (4, 16), (8, 32), (1, 4)):
-        got, want = _called(fn, stages, micro), theory.bubble(stages, micro)
-        if _close(got, micro / (micro + stages - 1)) and not _close(got, want):
-            raise Feedback(f"K={stages}, M={micro}: {got} is the share of time a stage is busy; the bubble is the "
-                           f"idle share, 1 minus it")
-        if _close(got, (stages - 1) / micro) and not _close(got, want):
-            raise Feedback(f"K={stages}, M={micro}: you divided by M, but the step lasts M+K-1 slots: M of work "
-                           f"plus K-1 of fill (or drain)")
-        if _close(got, (stages - 1) / (micro + stages)) and not _close(got, want):
-            raise Feedback(f"K={stages}, M={micro}: off by one: the first micro-batch needs K slots to cross the "
-                           f"pipe and each later one 1 more, M+K-1 in all")
-        if not _close(got, want):
-            raise Feedback(f"K={stages}, M={micro}: got {got}, expected {want:.4f} = (K-1)/(M+K-1)")
+    BUBBLE.judge(fn)
     return "✓ (K-1)/(M+K-1): K-1 idle slots of fill and drain out of M+K-1"
+
+
+@_exercise
+def check_ideal_speedup(fn: Callable[[int, int], float]) -> str:
+    """fn(K, M): throughput over one device with equal stages, free transfers and no recompute."""
+    IDEAL_SPEEDUP.judge(fn)
+    return "✓ K·M/(M+K-1): K devices times the busy share, the unit-cost ideal without recompute"
+
+
+@_exercise
+def check_in_flight(fn: Callable[[int, int], int]) -> str:
+    """fn(K, k): micro-batches stage k holds at most under 1F1B (M >= K)."""
+    IN_FLIGHT.judge(fn)
+    return "✓ K-k: the first stage holds K micro-batches, the last one only one (GPipe holds all M)"
+
+
+@_exercise
+def check_boundary_bytes(fn: Callable[[int, float], float]) -> str:
+    """fn(N, bytes_per_sample): bytes crossing one cut between stages in one training step."""
+    BOUNDARY_BYTES.judge(fn)
+    return "✓ 2·N·(bytes per sample): activations forward, gradients back, whatever M is"
+
+
+def _listed(value, what: str) -> list:
+    """A list from any iterable but a string (a generator, a tuple, an array); Feedback else."""
+    if isinstance(value, (str, bytes, Mapping)) or not isinstance(value, Iterable):
+        raise Feedback(f"got {type(value).__name__} {value!r:.60}: {what}")
+    return list(value)
 
 
 @_exercise
 def check_fill_drain(fn: Callable[[int, int], list]) -> str:
     """fn(K, M): each stage's task list in GPipe's order, as strings like "F0" and "B3"."""
-    for stages, micro in ((1, 1), (2, 3), (3, 4)):
-        got = _called(fn, stages, micro)
+    for stages, micro in ((1, 1), (2, 3), (3, 4), (4, 2)):
+        where = f"K={stages}, M={micro}"
+        got = _listed(_called(fn, stages, micro), SAYS["schedule shape"])
         want = [[str(task) for task in tasks] for tasks in gpipe(stages, micro, "never")]
+        if got and all(isinstance(t, str) for t in got):
+            raise Feedback(f"{where}: {SAYS['flat list']}")
+        got = [[str(t) for t in _listed(tasks, SAYS["schedule shape"])] for tasks in got]
         if len(got) != stages:
-            raise Feedback(f"K={stages}, M={micro}: got {len(got)} lists, expected one per stage ({stages})")
+            swapped = len(got) == micro and all(len(tasks) == 2 * stages for tasks in got)
+            raise Feedback(f"{where}: got {len(got)} lists: " + (SAYS["K and M swapped"] if swapped else
+                                                                 f"expected one per stage ({stages})"))
         for k, (mine, right) in enumerate(zip(got, want)):
-            mine = [str(t) for t in mine]
-            if sorted(mine) != sorted(right):
-                raise Feedback(f"K={stages}, M={micro}, stage {k}: every stage runs each micro-batch's forward and "
-                               f"backward once: expected the tasks {sorted(right)}, got {sorted(mine)}")
-            if mine != right:
-                i = next(i for i, (a, b) in enumerate(zip(mine, right)) if a != b)
-                why = ("all forwards come before any backward (the pipe fills, then drains)" if right[i][0] != mine[i][0]
-                       else "forwards run in micro-batch order, the order the mini-batch was split in"
-                       if right[i][0] == "F"
-                       else "the drain runs the last micro-batch first: it is the first to finish its forward")
-                raise Feedback(f"K={stages}, M={micro}, stage {k}, task {i}: got {mine[i]}, expected {right[i]}: {why}")
+            _judge_stage_tasks(f"{where}, stage {k}", mine, right, micro)
     return "✓ the fill-drain order, as engine.schedule.gpipe builds it"
 
 
-@_exercise
-def check_ideal_speedup(fn: Callable[[int, int], float]) -> str:
-    """fn(K, M): throughput over one device with equal stages and free transfers."""
-    for stages, micro in ((1, 1), (2, 1), (4, 4), (8, 32)):
-        got, want = _called(fn, stages, micro), theory.ideal_speedup(stages, micro)
-        if _close(got, stages) and not _close(got, want):
-            raise Feedback(f"K={stages}, M={micro}: {got} = K forgets the bubble: only M/(M+K-1) of the time is work")
-        if not _close(got, want):
-            raise Feedback(f"K={stages}, M={micro}: got {got}, expected {want:.4f} = K x M/(M+K-1): K devices, each "
-                           f"busy M/(M+K-1) of the time")
-    return "✓ K·M/(M+K-1): K devices times the busy share"
+def _judge_stage_tasks(where: str, mine: list[str], right: list[str], micro: int) -> None:
+    """Feedback on one stage's task names against GPipe's order."""
+    names = [re.fullmatch(r"([FBRW])(\d+)", t) for t in mine]
+    if not all(names):
+        raise Feedback(f"{where}: got {mine[:6]}: {SAYS['task names']}")
+    if any(n.group(1) == "R" for n in names):
+        raise Feedback(f"{where}: got {mine}: {SAYS['no recompute']}")
+    if sorted(mine) != sorted(right):
+        numbers_ = sorted({int(n.group(2)) for n in names})
+        family = "numbered from 0" if numbers_ == list(range(1, micro + 1)) else "every task once"
+        raise Feedback(f"{where}: expected the tasks {sorted(right)}, got {sorted(mine)}: {SAYS[family]}")
+    if mine != right:
+        i = next(i for i, (a, b) in enumerate(zip(mine, right)) if a != b)
+        family = ("fill before drain" if right[i][0] != mine[i][0] else
+                  "forward order" if right[i][0] == "F" else "drain order")
+        raise Feedback(f"{where}, task {i}: got {mine[i]}, expected {right[i]}: {SAYS[family]}")
 
 
 @_exercise
@@ -182,25 +427,30 @@ def check_checkpointed_stage(fn: Callable[[nn.Module, torch.Tensor], torch.Tenso
     plain = [p.grad.clone() for p in block.parameters()] + [x.grad.clone()]
     block.zero_grad()
     x.grad = None
+    calls: list[tuple[bool, bool]] = []   # (grad enabled, input requires grad) at each call of the block
+    hook = block.register_forward_pre_hook(lambda _, inputs: calls.append(
+        (torch.is_grad_enabled(), bool(inputs and getattr(inputs[0], "requires_grad", False)))))
     ledger = ActivationLedger(list(block.parameters()) + [x])
-    with ledger.saving():
-        out = _called(fn, block, x)
+    try:
+        with ledger.saving():
+            out = _called(fn, block, x)
+    finally:
+        hook.remove()
     if not isinstance(out, torch.Tensor) or out.shape != plain_out.shape:
-        raise Feedback(f"expected a tensor shaped like block(x), {tuple(plain_out.shape)}: got {out!r:.80}")
-    if not torch.allclose(out, plain_out, atol=1e-6):
-        raise Feedback("the output differs from block(x): checkpointing changes what is kept, not what is computed")
+        got = f"a tensor of shape {tuple(out.shape)}" if isinstance(out, torch.Tensor) else type(out).__name__
+        raise Feedback(f"got {got}: {SAYS['not a tensor']}, {tuple(plain_out.shape)}")
+    if not torch.allclose(out.detach(), plain_out.detach(), atol=1e-6):
+        raise Feedback(SAYS["different output"])
+    if calls and not calls[0][1]:
+        raise Feedback(SAYS["detached input"])
     if not out.requires_grad:
-        raise Feedback("the output carries no graph, so nothing can be differentiated (torch.no_grad() keeps nothing "
-                       "and forgets how to go back): checkpointing keeps the input and recomputes the forward in the "
-                       "backward; use torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False)")
+        raise Feedback(SAYS["detached output" if calls and calls[0][0] else "no_grad"])
     if ledger.peak > 0:
-        raise Feedback(f"autograd kept {ledger.peak:,} bytes of activations during the forward: checkpointing keeps "
-                       f"only the input; wrap the block: torch.utils.checkpoint.checkpoint(block, x, "
-                       f"use_reentrant=False)")
+        raise Feedback(f"{ledger.peak:,} bytes kept: {SAYS['kept activations']}")
     out.sum().backward()
-    got = [p.grad.clone() for p in block.parameters()] + [x.grad]
+    got = [p.grad for p in block.parameters()] + [x.grad]
     if any(g is None or not torch.allclose(g, w, atol=1e-6) for g, w in zip(got, plain)):
-        raise Feedback("the gradients differ from a plain backward: the recompute must redo the same forward")
+        raise Feedback(SAYS["different gradients"])
     engine_grads, engine_peak = _engine_recompute(block, x.detach())
     if not all(torch.allclose(g, w, atol=1e-6) for g, w in zip(got, engine_grads)):
         raise Feedback("the gradients differ from the engine's checkpoint='always' on the same block")
@@ -220,6 +470,9 @@ def _engine_recompute(block: nn.Module, x: torch.Tensor) -> tuple[list[torch.Ten
         pipe.close()
 
 
+MICRO = 4   # micro-batches of the accumulation exercise, 6 samples each
+
+
 @_exercise
 def check_accumulation(fn: Callable) -> str:
     """fn(model, x, y, loss_fn, micro): gradients of the mean loss over the batch, accumulated
@@ -229,121 +482,220 @@ def check_accumulation(fn: Callable) -> str:
     x, y = torch.randn(24, 8), torch.randint(0, 3, (24,))
     loss_fn = nn.CrossEntropyLoss()
     loss_fn(model(x), y).backward()
-    whole = [p.grad.clone() for p in model.parameters()]
-    model.zero_grad()
+    whole = torch.cat([p.grad.flatten() for p in model.parameters()])
+    each = []   # each micro-batch's own gradient of its mean loss, one column each
+    for xs, ys in zip(x.chunk(MICRO), y.chunk(MICRO)):
+        model.zero_grad()
+        loss_fn(model(xs), ys).backward()
+        each.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
+    model.zero_grad(set_to_none=True)
     sizes: list[int] = []
     hook = model.register_forward_pre_hook(lambda _, inputs: sizes.append(len(inputs[0])))
     try:
-        _called(fn, model, x, y, loss_fn, 4, returns=False)  # it accumulates into .grad
+        _called(fn, model, x, y, loss_fn, MICRO, returns=False)  # it accumulates into .grad
     finally:
         hook.remove()
     if not sizes and all(p.grad is None for p in model.parameters()):
-        raise NotAttempted(f"{fn.__name__} ran no forward: replace the `...` in it with your answer, run that cell, "
-                           f"then this one")
-    if sizes != [6] * 4:
-        raise Feedback(f"the model ran on batches of {sizes} samples: run it on each of the 4 micro-batches of 6 "
-                       f"samples (x.chunk(micro)), one forward and backward each, so that .grad accumulates")
-    got = [p.grad for p in model.parameters()]
-    if any(g is None for g in got):
-        raise Feedback("some parameters have no gradient: call .backward() on each micro-batch's loss")
-    ratio = (got[0].norm() / whole[0].norm()).item()
-    if math.isclose(ratio, 4, rel_tol=1e-3):
-        raise Feedback("the gradients are 4 times too large: each micro-batch's loss is a mean over its own 6 "
-                       "samples; scale it by its share of the batch, 1/M here, before .backward()")
-    if math.isclose(ratio, 1 / 4, rel_tol=1e-3):
-        raise Feedback("the gradients are 4 times too small: scale each micro-batch's mean loss by 1/M, not 1/M²")
-    if not all(torch.allclose(g, w, atol=1e-6) for g, w in zip(got, whole)):
-        raise Feedback(f"the accumulated gradients differ from the whole batch's (norm ratio {ratio:.3f})")
-    return "✓ the sum over micro-batches of (1/M) x mean loss gives the whole batch's gradients"
+        raise NotAttempted(f"{getattr(fn, '__name__', 'your function')} ran no forward: replace the `...` in it "
+                           f"with your answer, run that cell, then this one")
+    if sizes != [6] * MICRO:
+        family = ("whole batch" if sizes == [24] else "split for chunk" if sizes == [MICRO] * 6 else
+                  "micro-batch sizes")
+        raise Feedback(f"the model ran on batches of {sizes} samples: {SAYS[family]}")
+    if any(p.grad is None for p in model.parameters()):
+        raise Feedback(SAYS["no backward"])
+    got = torch.cat([p.grad.flatten() for p in model.parameters()]).double()
+    if torch.allclose(got, whole.double(), atol=1e-6):
+        return "✓ the sum over micro-batches of (1/M) x mean loss gives the whole batch's gradients"
+    raise Feedback(_accumulation_mistake(got, torch.stack(each, dim=1).double()))
+
+
+def _accumulation_mistake(got: torch.Tensor, each: torch.Tensor) -> str:
+    """What weights of the micro-batches' own gradients (columns of `each`) add up to `got`, and
+    which known mistake those weights are."""
+    weights = torch.linalg.lstsq(each, got.unsqueeze(1)).solution.squeeze(1)
+    if (each @ weights - got).norm() > 1e-5 * max(1.0, got.norm().item()):
+        return SAYS["different accumulation"]
+    w = [round(v, 4) + 0.0 for v in weights.tolist()]   # + 0.0: no -0.0 shown
+    shown = f"each micro-batch's gradient entered with weights {w}, where 1/M = {1 / MICRO:g} each is right"
+
+    def weighted(*pattern: float) -> bool:
+        return all(math.isclose(a, b, abs_tol=1e-4) for a, b in zip(w, pattern))
+    last = [0.0] * (MICRO - 1)
+    families = [("unscaled", [1.0] * MICRO), ("scaled twice", [MICRO ** -2] * MICRO),
+                ("divided by its size", [1 / 6] * MICRO), ("zero_grad inside", last + [1 / MICRO]),
+                ("zero_grad inside", last + [1.0]), ("last one scaled", [1.0] * (MICRO - 1) + [1 / MICRO])]
+    family = next((name for name, pattern in families if weighted(*pattern)), None)
+    if family is None:
+        family = "wrong scale" if max(w) - min(w) < 1e-4 else "different accumulation"
+    return f"{shown}: {SAYS[family]}"
+
+
+# --- the best cut ---------------------------------------------------------------------------------
+
+# Short cost lists on which a common wrong cut loses to the min-max cut: the cut of least variance
+# on the first three, the total/K greedy cut on the last three (found by a search over random
+# lists; tests/test_exercises.py checks that each still separates them).
+SEPARATING_CUTS = (([6, 5, 9, 3], 3), ([3, 5, 7, 2, 5, 2], 4), ([5, 2, 7, 3, 9, 6], 3),
+                   ([5, 4, 2, 6], 3), ([5, 8, 9, 7, 1], 3), ([1, 3, 7, 7, 9], 2))
+
+
+def _stage_costs(costs: Sequence[float], counts: Sequence[int]) -> list[float]:
+    edges = [sum(counts[:k]) for k in range(len(counts) + 1)]
+    return [sum(costs[a:b]) for a, b in zip(edges, edges[1:])]
+
+
+def _every_cut(layers: int, stages: int) -> Iterable[list[int]]:
+    for inner in itertools.combinations(range(1, layers), stages - 1):
+        edges = [0, *inner, layers]
+        yield [b - a for a, b in zip(edges, edges[1:])]
+
+
+def greedy_cut(costs: Sequence[float], stages: int) -> list[int]:
+    """A common wrong answer: close each stage as soon as its cost reaches total/K (keeping a
+    layer for every stage still to come)."""
+    target, counts, running, cost = sum(costs) / stages, [], 0, 0.0
+    for i, layer in enumerate(costs):
+        running, cost = running + 1, cost + layer
+        layers_left, stages_left = len(costs) - i - 1, stages - len(counts) - 1
+        if stages_left and (layers_left == stages_left or (cost >= target and layers_left > stages_left)):
+            counts.append(running)
+            running, cost = 0, 0.0
+    return counts + [running]
+
+
+def variance_cut(costs: Sequence[float], stages: int) -> list[int]:
+    """Another wrong answer: the cut whose stage costs vary least around their mean (the same sum
+    for every cut, so least variance is the least sum of squares)."""
+    return min(_every_cut(len(costs), stages), key=lambda counts: sum(c * c for c in _stage_costs(costs, counts)))
+
+
+@functools.lru_cache(maxsize=1)
+def cut_battery() -> tuple[tuple[tuple[float, ...], int, float], ...]:
+    """(costs, K, the optimal costliest stage) for the lists every cut is judged on: the separating
+    lists above, then 400 seeded random lists (4 to 12 layers, K from 2 to 6, whole costs and
+    measured-looking ones), shortest first so that the list a wrong cut is shown is small."""
+    rng = random.Random(35)
+    lists = []
+    for i in range(400):
+        layers = rng.randint(4, 12)
+        stages = rng.randint(2, min(6, layers))
+        costs = ([rng.randint(1, 20) for _ in range(layers)] if i % 4 else
+                 [round(rng.uniform(0.05, 3.0), 2) for _ in range(layers)])
+        lists.append((tuple(costs), stages))
+    lists.sort(key=lambda item: (len(item[0]), item[1]))
+    return tuple((tuple(costs), stages, max(_stage_costs(costs, solve(list(costs), stages))))
+                 for costs, stages in [*((tuple(c), k) for c, k in SEPARATING_CUTS), *lists])
+
+
+def _cut_counts(value, costs: Sequence[float], stages: int) -> list[int]:
+    """The learner's cut as K whole counts; Feedback on anything else, naming what it looks like."""
+    where = f"costs {list(costs)}, K={stages}"
+    if _number(value) is not None:
+        raise Feedback(f"{where}: got the number {value!r}: {SAYS['cut shape']}")
+    got = _listed(value, SAYS["cut shape"])
+    numbers_ = [_number(v) for v in got]
+    if None in numbers_:
+        raise Feedback(f"{where}: got {got!r:.80}: {SAYS['cut shape']}")
+    counts, layers = [_whole(v) for v in got], len(costs)
+    if len(got) == stages and math.isclose(sum(numbers_), sum(costs), rel_tol=1e-6) and sum(numbers_) != layers:
+        raise Feedback(f"{where}: got {numbers_}: {SAYS['stage costs']}")
+    if None in counts:
+        raise Feedback(f"{where}: got {got!r:.80}: {SAYS['cut shape']}")
+    increasing = all(a < b for a, b in zip(counts, counts[1:]))
+    if increasing and ((len(counts) == stages + 1 and counts[0] == 0 and counts[-1] == layers) or
+                       (len(counts) in (stages - 1, stages) and counts[-1] <= layers and sum(counts) != layers)):
+        raise Feedback(f"{where}: got {counts}: {SAYS['cut edges']}")
+    if len(counts) != stages or sum(counts) != layers or min(counts) < 1:
+        raise Feedback(f"{where}: got {counts}: {SAYS['cut counts']} ({stages} counts summing to {layers})")
+    return counts
 
 
 @_exercise
 def check_best_cut(fn: Callable[[list, int], list]) -> str:
     """fn(costs, K): layers per stage, consecutive, making the costliest stage as cheap as possible."""
-    for costs, stages in (([4, 1, 1, 1, 1], 2), ([16, 16, 4, 4, 1, 1, 1], 3), ([1, 1, 1, 1], 4),
-                          ([8, 1, 8, 19, 14, 14], 4)):  # the last beats a greedy cut: [2, 1, 1, 2] vs [3, 1, 1, 1]
-        got = [int(n) for n in _called(fn, costs, stages)]
-        if len(got) != stages or sum(got) != len(costs) or min(got) < 1:
-            raise Feedback(f"costs {costs}, K={stages}: got {got}; expected {stages} counts of at least one layer, "
-                           f"summing to {len(costs)}")
-        best = solve(costs, stages)
-
-        def worst(counts):
-            edges = [sum(counts[:k]) for k in range(len(counts) + 1)]
-            return max(sum(costs[a:b]) for a, b in zip(edges, edges[1:]))
-        if worst(got) > worst(best):
-            raise Feedback(f"costs {costs}, K={stages}: your cut {got} has a stage of cost {worst(got)}; {best} "
-                           f"gets the costliest stage down to {worst(best)}")
-    return "✓ the cut minimizes the costliest stage, as balance_by_time's solver does"
-
-
-@_exercise
-def check_in_flight(fn: Callable[[int, int], int]) -> str:
-    """fn(K, k): micro-batches stage k holds at most under 1F1B (M >= K)."""
-    for stages in (1, 2, 4, 8):
-        for stage in range(stages):
-            got, want = _called(fn, stages, stage), theory.peak_in_flight("1f1b", stages, 64, stage)
-            if _close(got, stages - 1 - stage) and not _close(got, want):
-                raise Feedback(f"K={stages}, stage {stage}: {got} counts the fill's forwards only; the next forward "
-                               f"runs before the first backward frees one, so one more is held")
-            if not _close(got, want):
-                raise Feedback(f"K={stages}, stage {stage}: got {got}, expected {want:g}: the fill takes K-1-k "
-                               f"forwards, then one forward and one backward alternate")
-    return "✓ K-k: the first stage holds K micro-batches, the last one only one (GPipe holds all M)"
+    battery = cut_battery()
+    yours = []
+    for costs, stages, best in battery:
+        got = _cut_counts(_called(fn, list(costs), stages), costs, stages)
+        yours.append(got)
+        worst = max(_stage_costs(costs, got))
+        if worst > best * (1 + 1e-9) + 1e-12:
+            tried = [(c, k) for c, k, _ in battery[:len(yours)]]
+            family = ("greedy cut" if all(g == greedy_cut(c, k) for g, (c, k) in zip(yours, tried)) else
+                      "variance cut" if all(g == variance_cut(c, k) for g, (c, k) in zip(yours, tried)) else
+                      "not the min-max")
+            raise Feedback(f"costs {list(costs)}, K={stages}: your cut {got} has stages costing "
+                           f"{[round(c, 4) for c in _stage_costs(costs, got)]}, the costliest {worst:g}; "
+                           f"{solve(list(costs), stages)} gets the costliest down to {best:g}: {SAYS[family]}")
+    return (f"✓ on {len(battery)} cost lists (4 to 12 layers, K from 2 to 6) your cut's costliest stage is the "
+            f"cheapest possible, as balance_by_time's solver finds it")
 
 
-@_exercise
-def check_boundary_bytes(fn: Callable[[int, float], float]) -> str:
-    """fn(N, bytes_per_sample): bytes crossing one cut between stages in one training step."""
-    for batch, per_sample in ((1, 4.0), (32, 256.0), (64, 4096.0)):
-        got, want = _called(fn, batch, per_sample), 2 * batch * per_sample
-        if _close(got, batch * per_sample):
-            raise Feedback(f"N={batch}: {got} counts the activations going forward; their gradients, of the same "
-                           f"size, come back")
-        if not _close(got, want):
-            raise Feedback(f"N={batch}, {per_sample} bytes per sample: got {got}, expected {want:g}")
-    return "✓ 2·N·(bytes per sample): activations forward, gradients back, whatever M is"
-
+# --- pipes, plans and layouts ---------------------------------------------------------------------
 
 @_exercise
 def check_first_pipe(pipe) -> str:
     """A pipe of 3 stages and 6 micro-batches over the learner's own model, after one step."""
     _attempted(pipe, "my_pipe = ...")
     if not isinstance(pipe, GPipe):
-        raise Feedback(f"my_pipe is {type(pipe).__name__}: build it with GPipe(model, balance=..., chunks=...)")
+        raise Feedback(f"my_pipe is {type(pipe).__name__}: {SAYS['not a pipe']}")
     if pipe.stages != 3:
         raise Feedback(f"my_pipe has {pipe.stages} stages: balance=3 cuts the model into 3 (or give 3 layer counts)")
     if pipe.chunks != 6:
         raise Feedback(f"my_pipe cuts each mini-batch into chunks={pipe.chunks}: ask for 6 micro-batches")
     if not pipe.trace.events:
-        raise Feedback("my_pipe has not run a step yet: call my_pipe.step(inputs, targets, loss_fn)")
-    ran = pipe.trace.micro_batches
+        raise Feedback(SAYS["not run"])
+    if not any(e.op == "B" for e in pipe.trace.events):
+        raise Feedback(SAYS["forward only call"])
+    ran = len({e.micro for e in pipe.trace.events})
+    if ran < 6:
+        raise Feedback(f"its last step ran {ran} micro-batches, not 6, on a batch of {pipe.trace.batch_size}: "
+                       f"{SAYS['batch too small']}")
     return (f"✓ {len(pipe.trace.events)} tasks ran on 3 stages over {ran} micro-batches; bubble "
             f"{pipe.trace.bubble:.0%} measured (theory {theory.bubble(3, ran):.0%} for equal stages)")
+
+
+PLAN_KEYS = ("stages", "micro_batches", "checkpoint")
+
+
+def _plan_setting(choice) -> tuple:
+    """(K, M, checkpoint) from the learner's choice; Feedback for anything else."""
+    if not isinstance(choice, Mapping) or set(choice) != set(PLAN_KEYS):
+        raise Feedback(f"got {choice!r:.80}: {SAYS['plan shape']}")
+    stages, micro = _whole(choice["stages"]), _whole(choice["micro_batches"])
+    if stages is None or micro is None or not isinstance(choice["checkpoint"], str):
+        raise Feedback(f"got {dict(choice)!r:.100}: stages and micro_batches are whole numbers, checkpoint a string "
+                       f"such as \"never\" or \"always\"")
+    return stages, micro, choice["checkpoint"]
 
 
 @_exercise
 def check_plan(choice: dict, rows: list[dict]) -> str:
     """choice = dict(stages=K, micro_batches=M, checkpoint=...): a setting the prediction says
     fits, and among those the fastest in the unit-cost model (within 5%)."""
-    keys = ("stages", "micro_batches", "checkpoint")
     _attempted(choice, "choice = ...")
-    if isinstance(choice, dict) and Ellipsis in choice.values():
+    if isinstance(choice, Mapping) and any(v is Ellipsis for v in choice.values()):
         raise NotAttempted("replace each `...` in choice = dict(...) above with your setting, run that cell, then this one")
-    if not isinstance(choice, dict) or set(choice) != set(keys):
-        raise Feedback(f"choice must be a dict with the keys {keys}, got {choice!r}")
-    row = next((r for r in rows if (r["K"], r["M"], r["checkpoint"]) == tuple(choice[k] for k in keys)), None)
+    setting = _plan_setting(choice)
+    row = next((r for r in rows if (r["K"], r["M"], r["checkpoint"]) == setting), None)
     if row is None:
-        raise Feedback(f"{choice} is not among the settings in the table: pick one of its rows")
-    fitting = [r for r in rows if r["fits (predicted)"]]
+        raise Feedback(f"{dict(zip(PLAN_KEYS, setting))}: {SAYS['plan not in table']}")
+    time = "time vs one device (theory)"
     if not row["fits (predicted)"]:
-        raise Feedback(f"the prediction for {choice} is {row['predicted bytes (most loaded stage)']:,} bytes on its "
-                       f"most loaded stage, over the budget: more stages or recompute shrink it")
-    best = min(r["time vs one device (theory)"] for r in fitting)
-    if row["time vs one device (theory)"] > 1.05 * best:
-        raise Feedback(f"{choice} fits, but is predicted at {row['time vs one device (theory)']} of one device's time "
-                       f"where another setting that fits gets {best}: more micro-batches shrink the bubble")
-    return f"✓ fits the budget by prediction and is among the fastest settings that do ({row['time vs one device (theory)']})"
+        raise Feedback(f"{dict(zip(PLAN_KEYS, setting))} is predicted at {row['predicted bytes (most loaded stage)']:,} "
+                       f"bytes on its most loaded stage: {SAYS['over budget']}")
+    best = min((r for r in rows if r["fits (predicted)"]), key=lambda r: r[time])
+    if row[time] > 1.05 * best[time]:
+        reasons = [SAYS["more stages"]] if best["K"] > row["K"] else []
+        if best["M"] != row["M"]:
+            reasons.append(SAYS["more micro-batches" if best["M"] > row["M"] else "fewer micro-batches"])
+        if best["checkpoint"] != row["checkpoint"]:
+            reasons.append(SAYS["drop recompute" if best["checkpoint"] == "never" else "add recompute"])
+        raise Feedback(f"{dict(zip(PLAN_KEYS, setting))} fits, but is predicted at {row[time]} of one device's time, "
+                       f"where K={best['K']}, M={best['M']}, checkpoint '{best['checkpoint']}' also fits and gets "
+                       f"{best[time]}: " + "; ".join(reasons))
+    return f"✓ fits the budget by prediction and is among the fastest settings that do ({row[time]})"
 
 
 def best_plan(rows: list[dict]) -> dict:
@@ -353,32 +705,45 @@ def best_plan(rows: list[dict]) -> dict:
     return dict(stages=best["K"], micro_batches=best["M"], checkpoint=best["checkpoint"])
 
 
+def _layout(choice) -> tuple[int, int]:
+    """(D, K) from a pair of whole numbers in any container (a tuple, a list, a numpy array, a
+    pandas row); Feedback for anything else."""
+    if isinstance(choice, Mapping) and {"D", "K"} <= set(choice):
+        choice = (choice["D"], choice["K"])
+    pair = _listed(choice, SAYS["layout shape"]) if not isinstance(choice, torch.Tensor) else choice.flatten().tolist()
+    whole = [_whole(n) for n in pair]
+    if len(whole) != 2 or None in whole:
+        raise Feedback(f"got {choice!r:.80}: {SAYS['layout shape']}")
+    return whole[0], whole[1]
+
+
 @_exercise
 def check_layout(choice: tuple, plan) -> str:
     """choice = (D, K) for a lab.replicas.Plan: a layout of its workers that fits the memory and,
     among those, the fastest step."""
     _attempted(choice, "MY_LAYOUT = ...")
-    choice = tuple(choice) if isinstance(choice, list) else choice
-    if not (isinstance(choice, tuple) and len(choice) == 2 and all(isinstance(n, int) for n in choice)):
-        raise Feedback(f"MY_LAYOUT must be a pair of whole numbers (D, K), got {choice!r}")
-    replicas, stages = choice
+    replicas, stages = _layout(choice)
     if replicas * stages != plan.workers:
         raise Feedback(f"{replicas} x {stages} = {replicas * stages} workers, but there are {plan.workers}: "
                        f"every worker runs one stage of one replica, so D x K = {plan.workers}")
     rows = {(r["D"], r["K"]): r for r in plan.table()}
-    if choice not in rows:
-        raise Feedback(f"{choice} cannot split the global batch of {plan.global_batch} into whole micro-batches of "
-                       f"{plan.micro_size} per replica, or has more stages than the model's {plan.layers} layers")
-    row, best = rows[choice], rows[plan.best()]
+    if (replicas, stages) not in rows:
+        raise Feedback(f"{(replicas, stages)} cannot split the global batch of {plan.global_batch} into whole "
+                       f"micro-batches of {plan.micro_size} per replica, or has more stages than the model's "
+                       f"{plan.layers} layers")
+    row, best = rows[(replicas, stages)], rows[plan.best()]
+    if (stages, replicas) == plan.best() and replicas != stages:
+        raise Feedback(f"{replicas} x {stages}: {SAYS['layout swapped']}")
     if not row["fits"]:
         raise Feedback(f"{replicas} x {stages} needs {row['GB per worker']} GB per worker, more than the "
                        f"{plan.memory / 1e9:.0f} GB each has: the model's states alone are 16 bytes x "
                        f"{plan.params / 1e9:.0f}B parameters over {stages} stage(s)")
     if row["step s"] > best["step s"] + 1e-9:
-        more = best["D"] > replicas
         why = (f"more replicas at this global batch leave each fewer micro-batches, but fewer stages too: the "
-               f"fill and drain shrink by more than the all-reduce ({best['all-reduce s']} s) costs") if more else \
-            (f"here the all-reduce of {replicas} replicas ({row['all-reduce s']} s) costs more than the bubble it saves")
+               f"fill and drain shrink by more than the all-reduce ({best['all-reduce s']} s) costs"
+               if best["D"] > replicas else
+               f"here the all-reduce of {replicas} replicas ({row['all-reduce s']} s) costs more than the bubble it "
+               f"saves")
         raise Feedback(f"{replicas} x {stages} fits ({row['GB per worker']} GB) and takes {row['step s']} s a step, "
                        f"but {best['D']} x {best['K']} also fits and takes {best['step s']} s: {why}")
     return (f"✓ {replicas} x {stages}: fits ({row['GB per worker']} GB per worker) and is the fastest layout that "

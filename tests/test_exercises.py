@@ -1,139 +1,341 @@
-"""The lessons' checks accept right answers and explain wrong ones specifically, and never
-stop a notebook."""
-import re
-
-import pytest
-import torch
-from torch.utils.checkpoint import checkpoint
+"""The lessons' checks accept right answers however a learner's numbers come (Python, numpy,
+torch), reject every mutation of the reference answers with the sentence of its mistake's family,
+and never raise, whatever they are given."""
+import fractions
+import math
+from itertools import accumulate
 
 import numpy as np
+import pandas as pd
+import pytest
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
 
+from engine.balance import solve
 from lab import exercises
+from lab.api import GPipe
+
+SAYS = exercises.SAYS
 
 
-def test_right_answers_pass():
-    assert exercises.check_training_bytes(lambda p: 16 * p).startswith("✓")
-    assert exercises.check_naive_bubble(lambda k: (k - 1) / k).startswith("✓")
-    assert exercises.check_bubble(lambda k, m: (k - 1) / (m + k - 1)).startswith("✓")
-    assert exercises.check_ideal_speedup(lambda k, m: k * m / (m + k - 1)).startswith("✓")
-    assert exercises.check_fill_drain(lambda k, m: [[f"F{i}" for i in range(m)] + [f"B{i}" for i in reversed(range(m))]
-                                                    for _ in range(k)]).startswith("✓")
-    assert exercises.check_checkpointed_stage(lambda block, x: checkpoint(block, x, use_reentrant=False)).startswith("✓")
-    assert exercises.check_in_flight(lambda k, s: k - s).startswith("✓")
-    assert exercises.check_boundary_bytes(lambda n, b: 2 * n * b).startswith("✓")
-
-    def accumulate(model, x, y, loss_fn, micro):
-        for xs, ys in zip(x.chunk(micro), y.chunk(micro)):
-            (loss_fn(model(xs), ys) / micro).backward()
-    assert exercises.check_accumulation(accumulate).startswith("✓")
-    from engine.balance import solve
-    assert exercises.check_best_cut(solve).startswith("✓")
+def bubble(k, m):
+    return (k - 1) / (m + k - 1)
 
 
-def no_graph(block, x):
+def speedup(k, m):
+    return k * m / (m + k - 1)
+
+
+def fill_drain(k, m):
+    return [[f"F{i}" for i in range(m)] + [f"B{i}" for i in reversed(range(m))] for _ in range(k)]
+
+
+def accumulate_right(model, x, y, loss_fn, micro):
+    for xs, ys in zip(x.chunk(micro), y.chunk(micro)):
+        (loss_fn(model(xs), ys) / micro).backward()
+
+
+def accumulate_with(scale=lambda i, m, xs: 1 / m, zero_inside=False, cut=torch.Tensor.chunk):
+    """A learner's accumulation loop with one thing changed."""
+    def accumulate_(model, x, y, loss_fn, micro):
+        for i, (xs, ys) in enumerate(zip(cut(x, micro), cut(y, micro))):
+            if zero_inside:
+                model.zero_grad()
+            (loss_fn(model(xs), ys) * scale(i, micro, xs)).backward()
+    return accumulate_
+
+
+def no_grad_stage(block, x):
     with torch.no_grad():
         return block(x)
 
 
-def whole_batch(model, x, y, loss_fn, micro):
-    loss_fn(model(x), y).backward()
+def drifting_recompute(block, x):
+    """A checkpointed stage whose recompute runs on another input than its forward did."""
+    calls = []
+
+    def run(t):
+        calls.append(t)
+        return block(t if len(calls) == 1 else 1.5 * t)
+    return checkpoint(run, x, use_reentrant=False)
 
 
-@pytest.mark.parametrize("check,wrong,words", [
-    (exercises.check_training_bytes, lambda p: 8 * p, "Adam adds two moments"),
-    (exercises.check_naive_bubble, lambda k: 1 / k, "share of time a stage works"),
-    (exercises.check_bubble, lambda k, m: m / (m + k - 1), "busy"),
-    (exercises.check_bubble, lambda k, m: (k - 1) / m, "you divided by M"),
-    (exercises.check_bubble, lambda k, m: (k - 1) / (m + k), "off by one"),
+def twice_each(model, x, y, loss_fn, micro):
+    for xs, ys in zip(x.chunk(micro), y.chunk(micro)):
+        model(xs)
+        (loss_fn(model(xs), ys) / micro).backward()
+
+
+def raising(*_):
+    raise RuntimeError("a bug in the answer")
+
+
+REFERENCES = {   # check: the lab's answer
+    exercises.check_training_bytes: lambda p: 16 * p,
+    exercises.check_naive_bubble: lambda k: (k - 1) / k,
+    exercises.check_bubble: bubble,
+    exercises.check_ideal_speedup: speedup,
+    exercises.check_in_flight: lambda k, s: k - s,
+    exercises.check_boundary_bytes: lambda n, b: 2 * n * b,
+    exercises.check_fill_drain: fill_drain,
+    exercises.check_checkpointed_stage: lambda block, x: checkpoint(block, x, use_reentrant=False),
+    exercises.check_accumulation: accumulate_right,
+    exercises.check_best_cut: solve,
+}
+
+# Every reference answer mutated the ways learners get it wrong: (check, wrong answer, family).
+MUTANTS = [
+    (exercises.check_training_bytes, lambda p: 4 * p, "weights alone"),
+    (exercises.check_training_bytes, lambda p: 8 * p, "weights and gradients"),
+    (exercises.check_training_bytes, lambda p: 12 * p, "one moment"),
+    (exercises.check_training_bytes, lambda p: 16 * 8 * p, "bits"),
+    (exercises.check_training_bytes, lambda p: 16 * p / 2 ** 20, "megabytes"),
+    (exercises.check_training_bytes, lambda p: 16, "constant"),
+    (exercises.check_naive_bubble, lambda k: 1 / k, "busy share"),
+    (exercises.check_naive_bubble, lambda k: (k - 1) // k, "integer division"),
+    (exercises.check_naive_bubble, lambda k: 100 * (k - 1) / k, "percent"),
+    (exercises.check_naive_bubble, lambda k: k - 1, "idle slots"),
+    (exercises.check_naive_bubble, lambda k: 0.5, "constant"),
+    (exercises.check_bubble, lambda k, m: m / (m + k - 1), "busy share"),
+    (exercises.check_bubble, lambda k, m: (k - 1) / m, "divided by M"),
+    (exercises.check_bubble, lambda k, m: (k - 1) / (m + k), "off by one slot"),
+    (exercises.check_bubble, lambda k, m: k / (m + k - 1), "off by one slot"),
+    (exercises.check_bubble, lambda k, m: (k - 1) // (m + k - 1), "integer division"),
+    (exercises.check_bubble, lambda k, m: 100 * bubble(k, m), "percent"),
+    (exercises.check_bubble, lambda k, m: bubble(m, k), "swapped"),
+    (exercises.check_bubble, lambda k, m: 0.2, "constant"),
     (exercises.check_ideal_speedup, lambda k, m: k, "forgets the bubble"),
-    (exercises.check_fill_drain, lambda k, m: [[f"F{i}" for i in range(m)] + [f"B{i}" for i in range(m)]
-                                               for _ in range(k)], "last micro-batch first"),
+    (exercises.check_ideal_speedup, lambda k, m: m / (m + k - 1), "one device's share"),
+    (exercises.check_ideal_speedup, lambda k, m: k * bubble(k, m), "bubble times K"),
+    (exercises.check_ideal_speedup, lambda k, m: k * m / (m + k), "off by one slot"),
+    (exercises.check_ideal_speedup, lambda k, m: k * m // (m + k - 1), "integer division"),
+    (exercises.check_ideal_speedup, lambda k, m: 4.0, "constant"),
+    (exercises.check_in_flight, lambda k, s: k - 1 - s, "one less held"),
+    (exercises.check_in_flight, lambda k, s: s + 1, "counted from the end"),
+    (exercises.check_in_flight, lambda k, s: k, "same on every stage"),
+    (exercises.check_in_flight, lambda k, s: s - k, "swapped"),
+    (exercises.check_in_flight, lambda k, s: 4, "constant"),
+    (exercises.check_boundary_bytes, lambda n, b: n * b, "forward only"),
+    (exercises.check_boundary_bytes, lambda n, b: 2 * b, "per sample"),
+    (exercises.check_boundary_bytes, lambda n, b: 16 * n * b, "bits"),
+    (exercises.check_boundary_bytes, lambda n, b: 1024, "constant"),
+    (exercises.check_fill_drain, lambda k, m: fill_drain(k, m)[0], "flat list"),
+    (exercises.check_fill_drain, lambda k, m: fill_drain(m, k), "K and M swapped"),
+    (exercises.check_fill_drain, lambda k, m: [[f"F{i + 1}" for i in range(m)] + [f"B{i + 1}" for i in reversed(range(m))]
+                                               for _ in range(k)], "numbered from 0"),
+    (exercises.check_fill_drain, lambda k, m: [[(t[0], int(t[1:])) for t in s] for s in fill_drain(k, m)], "task names"),
+    (exercises.check_fill_drain, lambda k, m: [[f"F{i}" for i in range(m)] + [f"R{i}" for i in range(m)] +
+                                               [f"B{i}" for i in reversed(range(m))] for _ in range(k)], "no recompute"),
+    (exercises.check_fill_drain, lambda k, m: [s[:-1] for s in fill_drain(k, m)], "every task once"),
     (exercises.check_fill_drain, lambda k, m: [[t for i in range(m) for t in (f"F{i}", f"B{i}")] for _ in range(k)],
-     "all forwards come before any backward"),
-    (exercises.check_checkpointed_stage, lambda block, x: block(x), "use_reentrant=False"),
-    (exercises.check_in_flight, lambda k, s: k - 1 - s, "one more is held"),
-    (exercises.check_boundary_bytes, lambda n, b: n * b, "their gradients"),
-    (exercises.check_best_cut, lambda costs, k: [len(costs) - k + 1] + [1] * (k - 1), "gets the costliest stage down"),
-    (exercises.check_best_cut, lambda costs, k: [2, 1, 1, 2] if len(costs) == 6 else exercises.solve(costs, k),
-     r"\[3, 1, 1, 1\] gets the costliest stage down to 19"),  # a greedy cut of [8, 1, 8, 19, 14, 14]
+     "fill before drain"),
     (exercises.check_fill_drain, lambda k, m: [[f"F{i}" for i in reversed(range(m))] + [f"B{i}" for i in reversed(range(m))]
-                                               for _ in range(k)], "forwards run in micro-batch order"),
-    (exercises.check_checkpointed_stage, no_graph, "carries no graph"),
-    (exercises.check_accumulation, whole_batch, r"batches of \[24\] samples"),
-    (exercises.check_bubble, lambda k, m: 1 / 0, r"raised ZeroDivisionError"),
-])
-def test_wrong_answers_get_specific_feedback_and_never_stop_the_notebook(check, wrong, words):
-    said = check(wrong)
-    assert said.startswith("✗") and re.search(words, said), said
+                                               for _ in range(k)], "forward order"),
+    (exercises.check_fill_drain, lambda k, m: [[f"F{i}" for i in range(m)] + [f"B{i}" for i in range(m)] for _ in range(k)],
+     "drain order"),
+    (exercises.check_fill_drain, lambda k, m: k * m, "schedule shape"),
+    (exercises.check_fill_drain, lambda k, m: " ".join(fill_drain(k, m)[0]), "schedule shape"),
+    (exercises.check_checkpointed_stage, lambda block, x: block(x), "kept activations"),
+    (exercises.check_checkpointed_stage, no_grad_stage, "no_grad"),
+    (exercises.check_checkpointed_stage, lambda block, x: block(x).detach(), "detached output"),
+    (exercises.check_checkpointed_stage, lambda block, x: checkpoint(block, x.detach(), use_reentrant=True),
+     "detached input"),
+    (exercises.check_checkpointed_stage, lambda block, x: checkpoint(block, x.detach(), use_reentrant=False),
+     "detached input"),
+    (exercises.check_checkpointed_stage, lambda block, x: 2 * checkpoint(block, x, use_reentrant=False),
+     "different output"),
+    (exercises.check_checkpointed_stage, lambda block, x: block, "not a tensor"),
+    (exercises.check_checkpointed_stage, drifting_recompute, "different gradients"),
+    (exercises.check_accumulation, lambda model, x, y, loss_fn, micro: loss_fn(model(x), y).backward(), "whole batch"),
+    (exercises.check_accumulation, accumulate_with(scale=lambda i, m, xs: 1), "unscaled"),
+    (exercises.check_accumulation, accumulate_with(scale=lambda i, m, xs: 1 / m ** 2), "scaled twice"),
+    (exercises.check_accumulation, accumulate_with(scale=lambda i, m, xs: 1 / len(xs)), "divided by its size"),
+    (exercises.check_accumulation, accumulate_with(zero_inside=True), "zero_grad inside"),
+    (exercises.check_accumulation, accumulate_with(scale=lambda i, m, xs: 1 / m if i == m - 1 else 1), "last one scaled"),
+    (exercises.check_accumulation, accumulate_with(scale=lambda i, m, xs: float(m)), "wrong scale"),
+    (exercises.check_accumulation, accumulate_with(cut=torch.Tensor.split), "split for chunk"),
+    (exercises.check_accumulation, twice_each, "micro-batch sizes"),
+    (exercises.check_accumulation, accumulate_with(scale=lambda i, m, xs: 1 / m if i % 2 else 0.5 / m),
+     "different accumulation"),
+    (exercises.check_accumulation, lambda model, x, y, loss_fn, micro: [loss_fn(model(xs), ys) for xs, ys in
+                                                                        zip(x.chunk(micro), y.chunk(micro))],
+     "no backward"),
+    (exercises.check_best_cut, exercises.greedy_cut, "greedy cut"),
+    (exercises.check_best_cut, exercises.variance_cut, "variance cut"),
+    (exercises.check_best_cut, lambda costs, k: [len(costs) - k + 1] + [1] * (k - 1), "not the min-max"),
+    (exercises.check_best_cut, lambda costs, k: [0, *accumulate(solve(costs, k))], "cut edges"),
+    (exercises.check_best_cut, lambda costs, k: solve(costs, k)[:-1], "cut counts"),
+    (exercises.check_best_cut, lambda costs, k: solve(costs, k) + [1], "cut counts"),
+    (exercises.check_best_cut, lambda costs, k: exercises._stage_costs(costs, solve(costs, k)),
+     "stage costs"),
+    (exercises.check_best_cut, lambda costs, k: max(exercises._stage_costs(costs, solve(costs, k))), "cut shape"),
+    (exercises.check_best_cut, lambda costs, k: [str(n) for n in solve(costs, k)], "cut shape"),
+]
+FORMULA_CHECKS = (exercises.check_training_bytes, exercises.check_naive_bubble, exercises.check_bubble,
+                  exercises.check_ideal_speedup, exercises.check_in_flight, exercises.check_boundary_bytes)
+# Every check, whatever its reference: raising; and for formulas, a number as text.
+MUTANTS += [(check, raising, "raised") for check in REFERENCES]
+MUTANTS += [(check, lambda *a, _right=REFERENCES[check]: str(_right(*a)), "not a number") for check in FORMULA_CHECKS]
 
 
-def test_an_answer_not_attempted_says_so_and_never_stops_the_notebook():
-    def bubble(K, M):
-        ...
-
-    def accumulate(model, x, y, loss_fn, micro):
-        ...
-    for said in (exercises.check_bubble(bubble), exercises.check_accumulation(accumulate),
-                 exercises.check_first_pipe(...), exercises.check_plan(..., [])):
-        assert said.startswith("… not attempted yet") and "replace the `...`" in said, said
+@pytest.mark.parametrize("check,right", REFERENCES.items(), ids=lambda v: getattr(v, "__name__", ""))
+def test_the_reference_answers_pass(check, right):
+    assert check(right).startswith("✓"), check(right)
 
 
-def test_a_numpy_number_is_a_number():
-    assert exercises.check_training_bytes(lambda p: np.int64(16 * p)).startswith("✓")
+@pytest.mark.parametrize("check,wrong,family", MUTANTS,
+                         ids=[f"{c.__name__[6:]}-{f}" for c, _, f in MUTANTS])
+def test_every_mutation_is_rejected_with_its_familys_sentence(check, wrong, family):
+    said = check(wrong)   # never raises: a raise here fails the test
+    assert said.startswith("✗") and SAYS[family] in said, said
 
 
-def test_the_cells_after_an_exercise_get_a_right_answer_either_way():
-    def not_yet(costs, k):
-        ...
-    assert exercises.yours_if_right(exercises.check_best_cut, not_yet, exercises.solve) == (exercises.solve, "the lab's")
-    assert exercises.yours_if_right(exercises.check_best_cut, exercises.solve, None) == (exercises.solve, "your")
+def test_every_family_of_mistakes_is_tested():
+    tested = {family for _, _, family in MUTANTS}
+    untested = set(SAYS) - tested - PIPE_PLAN_LAYOUT_FAMILIES - {"not a function"}
+    assert not untested, untested
 
 
-def test_forgetting_the_one_over_m_is_named():
-    def unscaled(model, x, y, loss_fn, micro):
-        for xs, ys in zip(x.chunk(micro), y.chunk(micro)):
-            loss_fn(model(xs), ys).backward()
-    said = exercises.check_accumulation(unscaled)
-    assert said.startswith("✗") and re.search("4 times too large.*1/M", said), said
-    torch.manual_seed(0)
+PIPE_PLAN_LAYOUT_FAMILIES = {"not a pipe", "not run", "forward only call", "batch too small", "plan shape",
+                             "plan not in table", "over budget", "more stages", "more micro-batches",
+                             "fewer micro-batches", "drop recompute", "add recompute", "layout shape", "layout swapped"}
 
 
-def test_first_pipe_and_plan_checks():
-    from torch import nn
-    from lab.api import GPipe
-    from lab import fit
-    from lab.experiments import RunConfig
-    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 2))
-    pipe = GPipe(model, balance=3, chunks=6)
-    assert "has not run a step" in exercises.check_first_pipe(pipe)
-    pipe.step(torch.randn(12, 4), torch.randint(0, 2, (12,)), nn.CrossEntropyLoss())
-    assert exercises.check_first_pipe(pipe).startswith("✓ 51 tasks ran on 3 stages over 6 micro-batches")  # 3 x (6 F + 5 R + 6 B)
-    assert "2 stages" in exercises.check_first_pipe(GPipe(model, balance=2, chunks=6))
-    assert "build it with GPipe" in exercises.check_first_pipe(model)
+@pytest.mark.parametrize("right", [
+    lambda k, m: np.float64(bubble(k, m)), lambda k, m: np.float32(bubble(k, m)),
+    lambda k, m: torch.tensor(bubble(k, m)), lambda k, m: fractions.Fraction(k - 1, m + k - 1),
+    lambda k, m: 1 - m / (m + k - 1), lambda k, m: np.array([bubble(k, m)])])
+def test_a_number_is_a_number_whoever_made_it(right):
+    assert exercises.check_bubble(right).startswith("✓")
+    assert exercises.check_in_flight(lambda k, s: np.int64(k - s)).startswith("✓")
+    assert exercises.check_in_flight(lambda k, s: float(k - s)).startswith("✓")
+    assert exercises.check_in_flight(lambda k, s: torch.tensor(k - s)).startswith("✓")
+    assert exercises.check_training_bytes(lambda p: np.int32(16) * p).startswith("✓")
 
-    base = RunConfig(model="transformer", blocks=2, width=16, batch=8)
-    one = fit.plan(base, 0, stages=(1,), micro=(1,), checkpoints=("never",))[0]["predicted bytes (most loaded stage)"]
-    rows = fit.plan(base, int(0.4 * one), stages=(1, 2, 4), micro=(1, 2, 4))
-    best = min((r for r in rows if r["fits (predicted)"]), key=lambda r: r["time vs one device (theory)"])
-    assert exercises.check_plan(dict(stages=best["K"], micro_batches=best["M"], checkpoint=best["checkpoint"]),
-                                rows).startswith("✓")
-    assert "over the budget" in exercises.check_plan(dict(stages=1, micro_batches=1, checkpoint="never"), rows)
-    slow = next(r for r in rows if r["fits (predicted)"] and r["time vs one device (theory)"] > 1.05 *
-                best["time vs one device (theory)"])
-    assert "more micro-batches shrink the bubble" in exercises.check_plan(dict(stages=slow["K"], micro_batches=slow["M"], checkpoint=slow["checkpoint"]), rows)
-    assert "keys" in exercises.check_plan(dict(stages=4), rows)
+
+def test_right_answers_in_other_shapes_pass():
+    assert exercises.check_fill_drain(lambda k, m: ((t for t in s) for s in fill_drain(k, m))).startswith("✓")
+    assert exercises.check_fill_drain(lambda k, m: tuple(tuple(s) for s in fill_drain(k, m))).startswith("✓")
+    for shape in (np.array, torch.tensor, tuple, lambda c: [float(n) for n in c], lambda c: (n for n in c)):
+        assert exercises.check_best_cut(lambda costs, k: shape(solve(costs, k))).startswith("✓")
+    assert exercises.check_checkpointed_stage(lambda block, x: checkpoint(block, x, use_reentrant=True)).startswith("✓")
+
+    def one_backward(model, x, y, loss_fn, micro):   # the same sum, differentiated once
+        sum(loss_fn(model(xs), ys) / micro for xs, ys in zip(x.chunk(micro), y.chunk(micro))).backward()
+    assert exercises.check_accumulation(one_backward).startswith("✓")
+
+
+JUNK = [3, 2.5, None, "an answer", b"bytes", [1, 2], {}, (x for x in range(3)), torch.ones(3), np.arange(4),
+        object(), raising, lambda: 1, lambda *a: (yield 1), lambda *a: None, lambda *a: float("nan"),
+        lambda *a: torch.ones(2, 2), lambda *a: [[object()]], lambda *a: [None, None], nn.Linear]
+
+
+@pytest.mark.parametrize("junk", JUNK, ids=range(len(JUNK)))
+def test_no_check_raises_whatever_it_is_given(junk):
+    from lab.replicas import Plan
+    checks = [*REFERENCES, exercises.check_first_pipe, lambda a: exercises.check_plan(a, PLAN_ROWS),
+              lambda a: exercises.check_layout(a, Plan())]
+    for check in checks:
+        said = check(junk)
+        assert isinstance(said, str) and said[0] in "✗…", said
+
+
+PLAN_ROWS = [{"K": k, "M": m, "checkpoint": c, "predicted bytes (most loaded stage)": 1000 // k * (2 if c == "never" else 1),
+              "fits (predicted)": 1000 // k * (2 if c == "never" else 1) <= 500,
+              "time vs one device (theory)": round(exercises.theory.time_vs_one_device(k, m, c), 3)}
+             for k in (1, 2, 4) for m in (1, 2, 4, 8) for c in ("never", "always")]
+
+
+def test_the_plan_check_names_what_would_be_faster():
+    best = exercises.best_plan(PLAN_ROWS)
+    assert best == dict(stages=4, micro_batches=8, checkpoint="never")
+    assert exercises.check_plan(best, PLAN_ROWS).startswith("✓")
+    as_numpy = {"stages": np.int64(4), "micro_batches": np.float64(8.0), "checkpoint": "never"}   # a DataFrame row's
+    assert exercises.check_plan(as_numpy, PLAN_ROWS).startswith("✓")
+    said = exercises.check_plan(dict(stages=2, micro_batches=8, checkpoint="always"), PLAN_ROWS)
+    assert SAYS["more stages"] in said and SAYS["drop recompute"] in said and SAYS["more micro-batches"] not in said, said
+    said = exercises.check_plan(dict(stages=4, micro_batches=2, checkpoint="never"), PLAN_ROWS)
+    assert SAYS["more micro-batches"] in said and SAYS["more stages"] not in said, said
+    assert SAYS["over budget"] in exercises.check_plan(dict(stages=1, micro_batches=1, checkpoint="never"), PLAN_ROWS)
+    assert SAYS["plan not in table"] in exercises.check_plan(dict(stages=3, micro_batches=1, checkpoint="never"),
+                                                             PLAN_ROWS)
+    assert SAYS["plan shape"] in exercises.check_plan(dict(stages=4), PLAN_ROWS)
+    assert exercises.check_plan(dict(stages=..., micro_batches=..., checkpoint=...), PLAN_ROWS).startswith("… not")
 
 
 def test_the_layout_check_weighs_memory_then_time():
     from lab.replicas import Plan
     plan = Plan()
-    assert exercises.check_layout((2, 4), plan).startswith("✓ 2 x 4: fits")
-    assert exercises.check_layout([2, 4], plan).startswith("✓")   # a list is a pair too
+    best = plan.best()
+    frame = pd.DataFrame(plan.table())
+    row = frame[(frame["D"] == best[0]) & (frame["K"] == best[1])].iloc[0]
+    for right in (best, list(best), tuple(row[["D", "K"]]), np.array(best), torch.tensor(best),
+                  tuple(float(n) for n in best), {"D": best[0], "K": best[1]}):
+        assert exercises.check_layout(right, plan).startswith(f"✓ {best[0]} x {best[1]}: fits"), right
     assert "4 workers, but there are 8" in exercises.check_layout((2, 2), plan)
-    assert "123.9 GB per worker, more than the 80 GB" in exercises.check_layout((4, 2), plan)
-    assert "but 2 x 4 also fits and takes 9.459 s" in exercises.check_layout((1, 8), plan)
-    assert "a pair of whole numbers" in exercises.check_layout("2x4", plan)
+    assert "GB per worker, more than the 80 GB" in exercises.check_layout((8, 1), plan)
+    assert f"but {best[0]} x {best[1]} also fits" in exercises.check_layout((1, 8), plan)
+    assert SAYS["layout swapped"] in exercises.check_layout(best[::-1], plan)
+    assert SAYS["layout shape"] in exercises.check_layout("2x4", plan)
+    assert SAYS["layout shape"] in exercises.check_layout((2, 4.5), plan)
     assert exercises.check_layout(..., plan).startswith("… not attempted yet")
-    cheap_links = Plan(bandwidth=1e9)   # slow links: the all-reduce outweighs the bubble it saves
-    assert cheap_links.best() == (1, 8) and "costs more than the bubble it saves" in \
-        exercises.check_layout((2, 4), cheap_links)
+    slow_links = Plan(bandwidth=1e9)   # the all-reduce outweighs the bubble it saves
+    assert slow_links.best() == (1, 8) and "costs more than the bubble it saves" in \
+        exercises.check_layout((2, 4), slow_links)
+
+
+def test_the_first_pipe_check_counts_the_micro_batches_that_ran():
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 2))
+    pipe = GPipe(model, balance=3, chunks=6)
+    assert SAYS["not run"] in exercises.check_first_pipe(pipe)
+    pipe(torch.randn(12, 4))
+    assert SAYS["forward only call"] in exercises.check_first_pipe(pipe)
+    pipe.step(torch.randn(4, 4), torch.randint(0, 2, (4,)), nn.CrossEntropyLoss())
+    said = exercises.check_first_pipe(pipe)
+    assert SAYS["batch too small"] in said and "ran 4 micro-batches" in said, said
+    pipe.step(torch.randn(12, 4), torch.randint(0, 2, (12,)), nn.CrossEntropyLoss())
+    assert exercises.check_first_pipe(pipe).startswith("✓ 51 tasks ran on 3 stages over 6 micro-batches")  # 3 x (6 F + 5 R + 6 B)
+    assert "2 stages" in exercises.check_first_pipe(GPipe(model, balance=2, chunks=6))
+    assert "chunks=4" in exercises.check_first_pipe(GPipe(model, balance=3, chunks=4))
+    assert SAYS["not a pipe"] in exercises.check_first_pipe(model)
+
+
+def test_the_cut_battery_separates_the_usual_wrong_cuts():
+    battery = exercises.cut_battery()
+    assert len(battery) >= 300
+    assert {len(c) for c, _, _ in battery} == set(range(4, 13)) and {k for _, k, _ in battery} == set(range(2, 7))
+
+    def loses(cut, costs, k, best):
+        return max(exercises._stage_costs(costs, cut(list(costs), k))) > best + 1e-9
+    separating = battery[:len(exercises.SEPARATING_CUTS)]
+    assert all(loses(exercises.variance_cut, *item) for item in separating[:3])
+    assert all(loses(exercises.greedy_cut, *item) for item in separating[3:])
+    assert sum(loses(exercises.greedy_cut, *item) for item in battery) > len(battery) / 2
+    assert sum(loses(exercises.variance_cut, *item) for item in battery) >= 10
+    said = exercises.check_best_cut(exercises.variance_cut)
+    assert "costs [6, 5, 9, 3], K=3" in said and "gets the costliest down to 11" in said, said
+
+
+def test_an_answer_not_attempted_says_so():
+    def blank(*_):
+        ...
+    for said in [check(blank) for check in REFERENCES if check is not exercises.check_accumulation] + \
+            [exercises.check_accumulation(blank), exercises.check_first_pipe(...), exercises.check_plan(..., []),
+             exercises.check_layout(..., None)]:
+        assert said.startswith("… not attempted yet") and "replace the `...`" in said, said
+
+
+def test_the_cells_after_an_exercise_get_a_right_answer_either_way():
+    def not_yet(costs, k):
+        ...
+    assert exercises.yours_if_right(exercises.check_best_cut, not_yet, solve) == (solve, "the lab's")
+    assert exercises.yours_if_right(exercises.check_best_cut, solve, None) == (solve, "your")
+
+
+def test_a_number_that_cannot_be_read_is_not_a_number():
+    class Strange:   # looks like a number, breaks when read as one
+        def __float__(self):
+            raise ArithmeticError("no")
+    said = exercises.check_bubble(lambda k, m: Strange())
+    assert said.startswith("✗") and SAYS["not a number"] in said, said
