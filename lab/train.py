@@ -9,14 +9,16 @@
 Under torchrun every rank runs this same script: it joins the group, builds the same model from the
 same seed, keeps its own stage, and passes its inputs (first rank) or targets (last rank) to
 `pipe.step`; rank 0 prints. Stages run on the CPU unless `--device cuda` asks for GPUs: then each
-rank takes its own GPU (cuda:LOCAL_RANK) and the ranks talk over NCCL, or over gloo through host
-memory when a host has fewer GPUs than ranks (NCCL refuses two ranks on one GPU).
+rank takes its GPU (cuda:LOCAL_RANK mod the GPUs it sees), the ranks tell each other which physical
+GPU that is, and they talk over NCCL when none shares one (also when CUDA_VISIBLE_DEVICES shows each
+rank a single GPU), else over gloo through host memory (NCCL refuses two ranks on one GPU).
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import socket
 import sys
 import time
 from dataclasses import asdict
@@ -27,6 +29,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 from engine import GPipe
+from engine.distributed.transport import gpu_identity
 from engine.schedule import CHECKPOINT_MODES, SCHEDULES
 
 from . import models
@@ -57,11 +60,19 @@ def parser() -> argparse.ArgumentParser:
     return options
 
 
-def backend_for(device: str, gpus: int, local_ranks: int) -> str:
-    """The process group's backend: NCCL when every rank on this host has a GPU of its own, else
-    gloo (CPU stages, or ranks sharing GPUs, which NCCL refuses; activations then cross through
-    host memory)."""
-    return "nccl" if device == "cuda" and gpus >= local_ranks else "gloo"
+def backend_for(device: str, gpus: list[tuple[str, str]]) -> str:
+    """The backend of the pipeline's (and replicas') groups: NCCL when the stages are on GPUs and no
+    two ranks share a physical GPU (`gpus`: each rank's machine and GPU identity, so a rank that
+    sees one GPU through CUDA_VISIBLE_DEVICES counts as its own), else gloo (CPU stages, or ranks
+    sharing GPUs, which NCCL refuses; activations then cross through host memory)."""
+    return "nccl" if device == "cuda" and len(set(gpus)) == len(gpus) else "gloo"
+
+
+def gpus_of_ranks(device: torch.device) -> list[tuple[str, str]]:
+    """Every rank's (machine, physical GPU identity), told over the world's gloo group."""
+    told: list = [None] * dist.get_world_size()
+    dist.all_gather_object(told, (socket.gethostname(), gpu_identity(device)))
+    return [tuple(entry) for entry in told]
 
 
 def launched_by_torchrun() -> bool:
@@ -93,11 +104,12 @@ def main(argv=None) -> int:
         return 2
     pipeline, data_parallel, replica = None, None, 0
     if distributed:
-        local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-        gpus = torch.cuda.device_count() if args.device == "cuda" else 0
-        if gpus:
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")) % gpus)
-        dist.init_process_group(backend_for(args.device, gpus, local_ranks))
+        dist.init_process_group("gloo")  # the world's group; the stages' groups get the backend chosen below
+        backend = "gloo"
+        if args.device == "cuda":
+            gpu = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
+            torch.cuda.set_device(gpu)
+            backend = backend_for(args.device, gpus_of_ranks(gpu))
         rank, world = dist.get_rank(), dist.get_world_size()
         stages = world // replicas
         if world % replicas or (args.stages is not None and args.stages != stages):
@@ -107,13 +119,14 @@ def main(argv=None) -> int:
                       file=sys.stderr)
             return 2
         if replicas > 1:
-            mesh = init_device_mesh(args.device, (replicas, stages), mesh_dim_names=("dp", "pp"))
+            mesh = init_device_mesh(args.device, (replicas, stages), mesh_dim_names=("dp", "pp"),
+                                    backend_override={"dp": backend, "pp": backend})
             pipeline, data_parallel = mesh.get_group("pp"), mesh.get_group("dp")
             replica = dist.get_rank(data_parallel)
         else:
-            pipeline = dist.group.WORLD
+            pipeline = dist.group.WORLD if backend == "gloo" else dist.new_group(backend=backend)
         transport = (f"processes: {replicas} pipeline(s) of {stages} ranks over torch.distributed "
-                     f"({dist.get_backend()})")
+                     f"({dist.get_backend(pipeline)})")
     else:
         rank, stages = 0, args.stages or 2
         transport = f"threads: {stages} stage threads in this process"
@@ -156,7 +169,8 @@ def main(argv=None) -> int:
               f"{losses[-1]:.4f}; per step each boundary carried {crossed}{reduced}", flush=True)
         if args.trace_out:
             Path(args.trace_out).write_text(json.dumps(
-                {"stages": trace.stages, "transport": trace.transport, "events": trace.to_records(),
+                {"stages": trace.stages, "transport": trace.transport, "lane": trace.lane,
+                 "backend": dist.get_backend(pipeline) if distributed else None, "events": trace.to_records(),
                  "messages": [asdict(m) for m in trace.messages],
                  "reductions": [asdict(r) for r in trace.reductions], "losses": losses}))
     pipe.close()

@@ -141,10 +141,14 @@ def test_speedup_tables_are_sized_for_the_device():
     assert cpu.width == 128 and gpu.width == 1024 and gpu.device == "cuda" and gpu.layers == cpu.layers == 8
 
 
-def test_train_picks_nccl_only_when_each_rank_has_a_gpu_of_its_own():
-    assert backend_for("cuda", gpus=2, local_ranks=2) == "nccl"
-    assert backend_for("cuda", gpus=1, local_ranks=2) == "gloo"   # NCCL refuses two ranks on one GPU
-    assert backend_for("cpu", gpus=8, local_ranks=2) == "gloo"
+def test_train_picks_nccl_only_when_no_two_ranks_share_a_physical_gpu():
+    one_each = [("host-a", "GPU-0"), ("host-a", "GPU-1")]
+    assert backend_for("cuda", one_each) == "nccl"
+    # CUDA_VISIBLE_DEVICES shows each rank one GPU (cuda:0 on both): still a GPU of its own each
+    assert backend_for("cuda", [("host-a", "GPU-0"), ("host-a", "GPU-5")]) == "nccl"
+    assert backend_for("cuda", [("host-a", "GPU-0"), ("host-a", "GPU-0")]) == "gloo"   # NCCL refuses
+    assert backend_for("cuda", [("host-a", "0000:01:00.0"), ("host-b", "0000:01:00.0")]) == "nccl"
+    assert backend_for("cpu", one_each) == "gloo"
 
 
 def test_gpus_are_counted_without_torch_as_the_app_needs(tmp_path, monkeypatch):
