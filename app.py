@@ -191,7 +191,8 @@ def show_numbers(record: RunRecord, config: RunConfig) -> None:
                f"stage on one {unit}, in the server's own process), so that both share this host's noise; under each "
                f"figure its range. The bubble's theory is (K-1)/(M+K-1). The ideal replay of this step (its task "
                f"times laid out as if every stage had a device of its own) takes {ideal.makespan * 1e3:.0f} ms; "
-               f"ideal speedup K·M/(M+K-1) = {theory.ideal_speedup(config.stages, micro):.2f}x.")
+               f"the unit-cost ideal without recompute, K·M/(M+K-1), is "
+               f"{theory.ideal_speedup(config.stages, micro):.2f}x.")
     if micro < 4 * config.stages:
         st.caption(f"Rule of thumb from the paper: M >= 4K, here M >= {4 * config.stages}, makes the bubble negligible.")
     st.caption("The measured speedup can exceed K·M/(M+K-1): the K=1 step runs M small micro-batches one after "
@@ -284,7 +285,7 @@ def show_speedup(config: RunConfig) -> None:
         "Training throughput on TPUs from the paper (Huang et al., Table 2). There is no one-device column: each "
         "model's cells are divided by its own K = 2, M = 1 cell. With one micro-batch, more devices barely help; "
         "with 32, the Transformer, whose layers are alike, scales almost with K, while AmoebaNet's uneven layers "
-        "hold it back. About the cells above the ideal speedup: " + theory.why_cells_exceed() + ".")
+        "hold it back. How the cells compare with the lab's unit-cost model: " + theory.why_cells_exceed() + ".")
     st.dataframe(tables.paper_table(), width="stretch")
     st.caption("Table 3 of the paper, P100 GPUs without NVLink (M = 32, normalized to K = 2): activations cross "
                "through host memory over PCIe, yet scaling stays close to the TPUs', since only each cut's "

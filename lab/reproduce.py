@@ -169,7 +169,8 @@ def speedup_rows(args, progress) -> Iterator[dict]:
                "paper Transformer (vs K=2,M=1)": theory.PAPER_TABLE2["Transformer-48"].get(key),
                "paper AmoebaNet (vs K=2,M=1)": theory.PAPER_TABLE2["AmoebaNet-D (18, 256)"].get(key),
                "speedup vs K=1,M=1": round(cell.vs_single, 2), "speedup vs K=1, same M": round(cell.vs_same_m, 2),
-               "ideal K*M/(M+K-1)": round(theory.ideal_speedup(*key), 2),
+               "model with recompute (vs K=2,M=1)": round(theory.on_paper_scale(*key), 2),
+               "ideal without recompute K*M/(M+K-1)": round(theory.ideal_speedup(*key), 2),
                "bubble": round(cell.bubble, 3), "how": cell.label}
 
 
@@ -276,7 +277,8 @@ def chart(name: str, rows: list[dict]) -> go.Figure:
                        text=frame["how"], hovertemplate="%{x}: %{y:.2f}x (%{text})<extra></extra>")
         figure.add_bar(name="paper Transformer, vs its K=2, M=1", x=labels, y=frame["paper Transformer (vs K=2,M=1)"])
         figure.add_bar(name="paper AmoebaNet, vs its K=2, M=1", x=labels, y=frame["paper AmoebaNet (vs K=2,M=1)"])
-        figure.add_scatter(name="bound K*M/(M+K-1)", x=labels, y=frame["ideal K*M/(M+K-1)"], mode="markers")
+        figure.add_scatter(name="unit-cost model with recompute, vs its K=2, M=1", x=labels,
+                           y=frame["model with recompute (vs K=2,M=1)"], mode="markers")
         figure.update_layout(title="Table 2: throughput normalized to K=2, M=1", yaxis_title="x")
     elif name == "memory" and rows:
         figure.add_bar(x=frame["training"], y=frame["parameters"], text=frame["layers"],
@@ -368,7 +370,7 @@ def run_command(name: str, args, rows_of: Callable, out: Path) -> list[dict]:
                          "# Table 3 (P100 GPUs without NVLink, M=32, normalized to K=2):",
                          markdown([{"model": model, **{f"K={k}": v for k, v in table.items()}}
                                    for model, table in theory.PAPER_TABLE3.items()]),
-                         f"# cells above K*M/(M+K-1): {theory.why_cells_exceed()}"]))
+                         f"# the cells against the unit-cost model: {theory.why_cells_exceed()}"]))
     print("\n".join(lines))
     print(table)
     if interrupted:

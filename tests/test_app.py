@@ -153,7 +153,8 @@ def test_sweeps_fill_the_bubble_curve_and_the_speedup_table(app):
     assert not app.exception
     table = app.dataframe[-1].value
     assert list(table.columns) == ["K", "M", "paper Transformer-48 (vs its K=2, M=1)",
-                                   "paper AmoebaNet-D (18, 256) (vs its K=2, M=1)", "ideal K*M/(M+K-1)",
+                                   "paper AmoebaNet-D (18, 256) (vs its K=2, M=1)",
+                                   "model with recompute (vs its K=2, M=1)", "ideal without recompute K*M/(M+K-1)",
                                    "this host vs K=2, M=1", "this host vs one device (K=1, M=1)", "how"]
     assert set(table["how"]) <= {"measured (threads)", "measured (processes)", "ideal replay"}
     assert set(table.loc[table["K"] > 2, "how"]) == {"ideal replay"}  # this host has 2 cores

@@ -71,6 +71,8 @@ def test_other_charts():
     assert list(table["K"]) == [2, 8] and list(table["how"]) == ["measured (processes)", "ideal replay"]
     assert table.loc[1, "paper Transformer-48 (vs its K=2, M=1)"] == 6.3
     assert table.loc[1, "paper AmoebaNet-D (18, 256) (vs its K=2, M=1)"] == 3.48
+    assert table.loc[1, "model with recompute (vs its K=2, M=1)"] == 6.01   # the paper's normalization
+    assert table.loc[1, "ideal without recompute K*M/(M+K-1)"] == 6.56
     assert table.loc[1, "this host vs K=2, M=1"] == 4.4 and table.loc[1, "this host vs one device (K=1, M=1)"] == 5.9
     assert tables.paper_table().loc["M=4", "Transformer-48 K=8"] == 4.8
     assert tables.paper_table().loc["M=32", "AmoebaNet-D K=8"] == 3.48
