@@ -11,6 +11,7 @@ import os
 import shutil
 import subprocess
 from dataclasses import dataclass, replace
+from typing import Optional
 
 from engine.schedule import CHECKPOINT_MODES, SCHEDULES, check_layout
 
@@ -165,16 +166,22 @@ def visible_gpus(driver: str = "/proc/driver/nvidia/gpus", smi: tuple[str, ...] 
 
 @functools.lru_cache(maxsize=None)
 def listed_gpus(smi: tuple[str, ...] = NVIDIA_SMI) -> int:
-    """How many GPUs the first `nvidia-smi` of `smi` that exists lists with -L (0 if none runs);
-    asked once per process, since the app counts GPUs on every rerun."""
+    """How many GPUs `nvidia-smi -L` lists (0 if no nvidia-smi of `smi` runs); asked once per
+    process, since the app counts GPUs on every rerun."""
+    listing = nvidia_smi(["-L"], smi) or ""
+    return sum(line.startswith("GPU ") for line in listing.splitlines())  # not the indented MIG lines
+
+
+def nvidia_smi(args: list[str], smi: tuple[str, ...] = NVIDIA_SMI) -> Optional[str]:
+    """What the first nvidia-smi of `smi` that exists prints with `args`, or None if none runs."""
     program = next((found for found in map(shutil.which, smi) if found), None)
     if program is None:
-        return 0
+        return None
     try:
-        listing = subprocess.run([program, "-L"], capture_output=True, text=True, timeout=20).stdout
+        done = subprocess.run([program, *args], capture_output=True, text=True, timeout=20)
     except (OSError, subprocess.SubprocessError):
-        return 0
-    return sum(line.startswith("GPU ") for line in listing.splitlines())  # not the indented MIG lines
+        return None
+    return done.stdout if done.returncode == 0 else None
 
 
 def _cuda_available() -> bool:
