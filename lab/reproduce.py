@@ -171,7 +171,9 @@ def speedup_rows(args, progress) -> Iterator[dict]:
                "speedup vs K=1,M=1": round(cell.vs_single, 2), "speedup vs K=1, same M": round(cell.vs_same_m, 2),
                "model with recompute (vs K=2,M=1)": round(theory.on_paper_scale(*key), 2),
                "ideal without recompute K*M/(M+K-1)": round(theory.ideal_speedup(*key), 2),
-               "bubble": round(cell.bubble, 3), "how": cell.label}
+               "bubble": round(cell.bubble, 3),
+               **({} if cell.gpu_ratio is None else {"GPU/host time per task": round(cell.gpu_ratio, 1)}),
+               "how": cell.label}
 
 
 ALLOCATOR, COUNT = "allocator's peak, capped", "engine's count"
@@ -333,6 +335,10 @@ def run_command(name: str, args, rows_of: Callable, out: Path) -> list[dict]:
         base = speedup_config(args)
         lines.append(f"{model_line(base)}, checkpoint {base.checkpoint}, device {base.device}, stages as "
                      f"{base.transport} (K=1 and replayed cells: threads)")
+        sizing = speedup.gpu_sizing(args.quick, args.model, args.seed, base.transport) if args.device == "cuda" else None
+        if sizing is not None:
+            lines.append(f"# {sizing.describe()}; a cell whose lowest stage is under {speedup.GPU_FLOOR:g}x is "
+                         f"launch-bound: Python, not the GPU, set its pace, so it is not called measured")
     if name == "schedules":
         base = schedules_config(args)
         lines.append(f"{model_line(base)}, K={base.stages}, M in {schedules_micro_batches(args)}, interleaved "

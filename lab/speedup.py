@@ -7,14 +7,23 @@ normalizes to K=2, M=1, which a cell also carries as `vs_pair`) and to K=1 at
 the same M, like with like: a measured cell by the measured K=1 step, a replayed cell by the
 K=1 step's own task times laid end to end (a replay has no per-step overhead, so comparing it
 with a measured step would flatter it).
+
+On a GPU a task is worth timing only if the GPU, not Python, sets its pace: each stage's tasks
+are issued by a host thread (hooks, the ledger, random streams, events), and a small model's
+kernels finish before the next one is launched. So the GPU table's model is sized by measurement
+(`sized_for_gpu`): grown until every stage's GPU time is GPU_TARGET times the host time spent
+issuing it, at the table's smallest tasks; and a cell whose stages fall under GPU_FLOOR is not
+called measured, nor replayed as if its task times were the GPU's.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Callable, Iterable, Iterator, Optional
 
 from . import replay
-from .experiments import MEASURE_WARMUP, RunConfig, RunRecord, parallel_devices, run
+from .experiments import (MEASURE_WARMUP, RunConfig, RunRecord, build, choose_balance, parallel_devices, pipeline,
+                          run, solo_events)
 
 # The recompute setting of every speedup table: each micro-batch re-materialized, as in the paper.
 # One setting for the whole table; "except_last" would recompute nothing at M=1 and 31 of 32
@@ -22,18 +31,113 @@ from .experiments import MEASURE_WARMUP, RunConfig, RunRecord, parallel_devices,
 TABLE_CHECKPOINT = "always"
 
 
+GPU_TARGET = 10.0  # GPU time over host time per task that the GPU table's model is grown to, on every stage
+GPU_FLOOR = 3.0    # under this a cell is launch-bound: not measured, nor replayed as the GPU's time
+# (width, batch) of the GPU table's Transformer in the order `sized_for_gpu` tries them: ever more
+# work per task for the same launches (the zoo's sequences are 32 characters long)
+GPU_LADDER = ((1024, 128), (1024, 256), (2048, 256), (2048, 512), (4096, 256), (4096, 512), (4096, 1024))
+GPU_LADDER_QUICK = ((256, 64), (512, 64), (1024, 64), (1024, 128))
+
+
 def table_setting(device: str = "cpu", quick: bool = False, model: str = "transformer", seed: int = 0,
                   transport: str = "threads") -> RunConfig:
-    """The model every speedup table trains (8 layers, so K runs up to 8), sized for the device:
-    small enough for a CPU core per stage, wide enough on a GPU that a task is more than kernel
-    launches. `quick` shrinks it for smoke runs."""
-    gpu = device == "cuda"
-    if model == "cnn":
-        width, batch = (32 if quick else 64, 64 if quick else 128) if gpu else (8 if quick else 32, 32 if quick else 64)
-    else:
-        width, batch = (256 if quick else 1024, 32 if quick else 128) if gpu else (32 if quick else 128, 32 if quick else 64)
+    """The model every speedup table trains, sized for the device: on a CPU 8 layers small enough
+    for a core per stage; on a GPU a paper-like Transformer (24 blocks, 8 with `quick`) that
+    `sized_for_gpu` grows from there where a GPU is present. `quick` shrinks it for smoke runs."""
+    if device == "cuda":
+        if model == "cnn":
+            return RunConfig(model=model, blocks=6, width=32 if quick else 64, batch=64 if quick else 128,
+                             checkpoint=TABLE_CHECKPOINT, seed=seed, device=device, transport=transport)
+        sizing = gpu_sizing(quick, model, seed, transport)
+        return sizing.config if sizing is not None else gpu_start(quick, model, seed, transport)
+    width, batch = (8 if quick else 32, 32 if quick else 64) if model == "cnn" else (32 if quick else 128,
+                                                                                  32 if quick else 64)
     return RunConfig(model=model, blocks=6, width=width, batch=batch, checkpoint=TABLE_CHECKPOINT, seed=seed,
                      device=device, transport=transport)
+
+
+def gpu_start(quick: bool = False, model: str = "transformer", seed: int = 0, transport: str = "threads") -> RunConfig:
+    """The GPU table's Transformer before sizing: paper-like depth (24 blocks; 8 with `quick`) at
+    the first rung of GPU_LADDER."""
+    width, batch = (GPU_LADDER_QUICK if quick else GPU_LADDER)[0]
+    return RunConfig(model=model, blocks=8 if quick else 24, width=width, batch=batch, checkpoint=TABLE_CHECKPOINT,
+                     seed=seed, device="cuda", transport=transport)
+
+
+def gpu_sizing(quick: bool = False, model: str = "transformer", seed: int = 0,
+               transport: str = "threads") -> Optional["Sizing"]:
+    """The measured sizing of the GPU table's Transformer (`sized_for_gpu`, done once per process);
+    None where there is no GPU to measure on, or for the CNN (its sizes are fixed)."""
+    import torch
+    if model != "transformer" or not torch.cuda.is_available():
+        return None
+    return sized_for_gpu(gpu_start(quick, model, seed, transport), quick)
+
+
+def stage_ratios(events: list[dict], stages: int) -> list[float]:
+    """Per stage, the GPU seconds of its tasks over the host seconds spent issuing them (Event.host),
+    from a step run one task at a time (each task then starts on an idle GPU, and its host time is
+    launching alone). 1.0 for a stage on a CPU, where the host thread is the device."""
+    gpu, issued = [0.0] * stages, [0.0] * stages
+    for e in events:
+        gpu[e["stage"]] += e["end"] - e["start"]
+        issued[e["stage"]] += e.get("host", 0.0) or (e["end"] - e["start"])
+    return [g / h if h > 0 else 1.0 for g, h in zip(gpu, issued)]
+
+
+def gpu_ratios(config: RunConfig) -> list[float]:
+    """`stage_ratios` of one step of `config` run one task at a time (after a warm-up)."""
+    model, (inputs, targets), loss_fn = build(config)
+    pipe = pipeline(config, model, choose_balance(config, model, inputs))
+    try:
+        return stage_ratios(solo_events(pipe, inputs, targets, loss_fn), config.stages)
+    finally:
+        pipe.close()
+
+
+@dataclass(frozen=True)
+class Sizing:
+    """What `sized_for_gpu` chose and why: the setting, each stage's GPU-over-host ratio at the
+    table's hardest cell, and every (width, batch, ratios or "out of memory") it tried."""
+
+    config: RunConfig
+    ratios: tuple[float, ...]
+    tried: tuple[tuple[int, int, object], ...]
+
+    def describe(self) -> str:
+        """One line for a table's header."""
+        steps = "; ".join(f"width {w}, batch {b}: " + (r if isinstance(r, str) else f"min {min(r):.1f}x")
+                          for w, b, r in self.tried)
+        ratios = ", ".join(f"{r:.1f}" for r in self.ratios)
+        verdict = "met" if self.ratios and min(self.ratios) >= GPU_TARGET else "NOT met (largest that fit)"
+        return (f"sized for the GPU by measurement: width {self.config.width}, batch {self.config.batch}; GPU time "
+                f"over host time per task, per stage at the hardest cell: {ratios} (target {GPU_TARGET:g}x: "
+                f"{verdict}); tried {steps}")
+
+
+@lru_cache(maxsize=None)
+def sized_for_gpu(start: RunConfig, quick: bool = False, stages: int = 8, micro: int = 32,
+                  probe: Callable[[RunConfig], list[float]] = gpu_ratios) -> Sizing:
+    """Grow the GPU table's Transformer along GPU_LADDER (width, then batch) until every stage's
+    GPU time is GPU_TARGET times its host time at the table's hardest cell, K=`stages` (at most
+    its layers) and M=`micro`, where tasks are smallest; a rung that runs out of memory there, or
+    at K=1, M=1 (the whole batch at once), ends the climb at the rung before it."""
+    import torch
+    chosen, ratios, tried = start, (), []
+    for width, batch in GPU_LADDER_QUICK if quick else GPU_LADDER:
+        candidate = start.but(width=width, batch=batch)
+        try:
+            found = tuple(probe(candidate.but(stages=min(stages, candidate.layers), micro_batches=micro)))
+            probe(candidate.but(stages=1, micro_batches=1))
+        except torch.cuda.OutOfMemoryError:
+            tried.append((width, batch, "out of memory"))
+            torch.cuda.empty_cache()
+            break
+        chosen, ratios = candidate, found
+        tried.append((width, batch, found))
+        if min(found) >= GPU_TARGET:
+            break
+    return Sizing(chosen, ratios, tuple(tried))
 
 
 @dataclass(frozen=True)
@@ -43,22 +147,40 @@ class Cell:
     samples_per_second: float
     vs_single: float          # over K=1 at the first M of the sweep (one device, M=1)
     vs_same_m: float          # over K=1 at the same M
-    how: str                  # "measured" or "ideal replay"
+    how: str                  # "measured", "ideal replay" or "launch-bound"
     bubble: float
     transport: str = "threads"  # how the stages of a measured cell ran
     vs_pair: Optional[float] = None  # over K=2 at the first M: the paper's own normalization
     replayed_vs_same_m: Optional[float] = None  # the ideal replay's speedup over K=1 at the same M,
     # on any host (with replay_all): what claims about scaling are checked on
+    gpu_ratio: Optional[float] = None  # on GPUs: the lowest stage's GPU time over host time per task
 
     @property
     def label(self) -> str:
-        """"measured (threads)", "measured (processes)" or "ideal replay", as tables show it."""
+        """"measured (threads)", "measured (processes)", "ideal replay" or, on a GPU whose tasks
+        are mostly launching, why the cell is neither, as tables show it."""
+        if self.how == "launch-bound":
+            return (f"not measured: launch-bound (GPU busy {self.gpu_ratio:.1f}x the host's time per task, "
+                    f"{GPU_FLOOR:g}x needed)")
         return f"measured ({self.transport})" if self.how == "measured" else self.how
 
 
+def cell_ratio(record: RunRecord) -> Optional[float]:
+    """On GPUs, the lowest stage's GPU-over-host ratio of the record's tasks timed alone; else None."""
+    if record.config["device"] != "cuda" or not record.solo_events:
+        return None
+    return min(stage_ratios(record.solo_events, record.stages))
+
+
 def throughput(record: RunRecord) -> tuple[float, str, float]:
-    """(samples/s, how, bubble) of a record: measured if the host ran its stages at once, else replayed."""
+    """(samples/s, how, bubble) of a record: measured if the host ran its stages at once, else
+    replayed; on GPUs "launch-bound" (figures kept, not to be read as the GPU's) when its tasks
+    are under GPU_FLOOR."""
     config = RunConfig(**record.config)
+    ratio = cell_ratio(record)
+    if ratio is not None and ratio < GPU_FLOOR:
+        line = replay.of_record(record, "ideal replay")
+        return config.batch / line.makespan, "launch-bound", line.bubble
     if config.stages <= parallel_devices(config):
         return record.samples_per_second, "measured", record.bubble
     line = replay.of_record(record, "ideal replay")
@@ -71,7 +193,8 @@ def measure_table(base: RunConfig, stages: Iterable[int] = (1, 2, 4, 8), micro: 
     normalized to it). K larger than the model's layers, or M larger than the batch, is left out.
     With `base.transport="processes"` the cells the host can measure run one process per stage;
     K=1 (one stage, nothing crosses) and the replayed cells run their steps as threads. With
-    `replay_all`, every cell also gets its ideal replay's speedup, whatever the host."""
+    `replay_all`, every cell also gets its ideal replay's speedup, whatever the host. On GPUs every
+    cell is also run one task at a time, for its GPU-over-host ratio (`Cell.gpu_ratio`)."""
     stages, micro = list(stages), list(micro)
     single: dict[tuple[int, str], float] = {}  # (M, how) -> K=1 samples/s
     pair: dict[str, float] = {}                # how -> K=2 samples/s at the first M (measured and replayed)
@@ -84,7 +207,8 @@ def measure_table(base: RunConfig, stages: Iterable[int] = (1, 2, 4, 8), micro: 
             if progress is not None:
                 progress(f"K={k}, M={m}")
             transport = base.transport if 1 < k <= parallel_devices(base) else "threads"
-            record = run(base.but(stages=k, micro_batches=m, transport=transport), replay="always" if replay_all else True)
+            record = run(base.but(stages=k, micro_batches=m, transport=transport),
+                         replay="always" if replay_all or base.device == "cuda" else True)
             rate, how, bubble = throughput(record)
             replayed = base.batch / replay.of_record(record, "ideal replay").makespan
             if k == 1:
@@ -95,10 +219,11 @@ def measure_table(base: RunConfig, stages: Iterable[int] = (1, 2, 4, 8), micro: 
                 if how == "measured":
                     pair["measured"] = rate
             if k in stages:
-                first = micro[0] if (micro[0], how) in single else m
-                yield Cell(k, m, rate, rate / single[(first, how)], rate / single[(m, how)], how, bubble, transport,
-                           rate / pair[how] if how in pair else None,
-                           replayed / single[(m, "ideal replay")] if replay_all else None)
+                norm = "measured" if how == "measured" else "ideal replay"  # a launch-bound cell is a replay
+                first = micro[0] if (micro[0], norm) in single else m
+                yield Cell(k, m, rate, rate / single[(first, norm)], rate / single[(m, norm)], how, bubble, transport,
+                           rate / pair[norm] if norm in pair else None,
+                           replayed / single[(m, "ideal replay")] if replay_all else None, cell_ratio(record))
 
 
 def table(base: RunConfig, stages: Iterable[int] = (1, 2, 4, 8), micro: Iterable[int] = (1, 4, 32),

@@ -1,6 +1,7 @@
 """The GPU and NCCL paths' decisions, checked on a CPU host with fakes (tests/test_cuda.py runs
 the real thing where there is a GPU)."""
 import collections
+import dataclasses
 import queue
 import threading
 import time
@@ -140,3 +141,73 @@ def test_balance_by_time_profiles_on_the_stages_device(monkeypatch):
     experiments.choose_balance(config, model, inputs)
     experiments.layer_costs(config)
     assert seen == [torch.device("meta")] * 2
+
+
+def test_gpu_over_host_time_per_stage():
+    from lab.speedup import stage_ratios
+    events = [dict(stage=0, start=0.0, end=0.010, host=0.001), dict(stage=0, start=0.010, end=0.030, host=0.001),
+              dict(stage=1, start=0.0, end=0.002, host=0.001), dict(stage=1, start=0.1, end=0.101, host=0.0)]
+    assert stage_ratios(events, 2) == pytest.approx([15.0, 1.5])   # host 0 (not recorded): the task's own time
+
+
+def test_the_gpu_table_is_grown_until_the_gpu_sets_the_pace():
+    from lab import speedup
+    start = speedup.table_setting("cuda")   # on a host without a GPU: the paper-like start, unsized
+    assert (start.blocks, start.width, start.batch, start.device) == (24, 1024, 128, "cuda")
+    probes = []
+
+    def probe(config):       # GPU time over host time grows with the work per task
+        probes.append((config.width, config.batch, config.stages, config.micro_batches))
+        return [config.width * config.batch / 2 ** 16] * config.stages
+
+    sizing = speedup.sized_for_gpu(start, probe=probe)
+    assert (sizing.config.width, sizing.config.batch) == (2048, 512) and min(sizing.ratios) >= speedup.GPU_TARGET
+    assert probes[:2] == [(1024, 128, 8, 32), (1024, 128, 1, 1)]   # the hardest cell, then the whole batch at once
+    assert "target 10x: met" in sizing.describe() and "width 1024, batch 128: min 2.0x" in sizing.describe()
+
+    def out_of_memory_past_1024_wide(config):
+        if config.width > 1024:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory")
+        return [1.5] * config.stages
+    sizing = speedup.sized_for_gpu(start.but(seed=1), probe=out_of_memory_past_1024_wide)
+    assert (sizing.config.width, sizing.config.batch) == (1024, 256)          # the last rung that fit
+    assert sizing.tried[-1] == (2048, 256, "out of memory") and "NOT met" in sizing.describe()
+
+
+def test_a_launch_bound_gpu_cell_is_not_called_measured():
+    from lab import experiments, speedup
+    from lab.config import RunConfig
+    record = experiments.run(RunConfig(model="mlp", blocks=2, width=8, batch=8, stages=1, micro_batches=2),
+                             replay="always")
+    gpu = dict(record.config, device="cuda")
+    bound = [dict(e, host=(e["end"] - e["start"]) / 2) for e in record.solo_events]   # GPU 2x the host
+    busy = [dict(e, host=(e["end"] - e["start"]) / 20) for e in record.solo_events]   # GPU 20x the host
+    launch_bound = dataclasses.replace(record, config=gpu, solo_events=bound)
+    assert speedup.cell_ratio(launch_bound) == pytest.approx(2.0)
+    assert speedup.throughput(launch_bound)[1] == "launch-bound"
+    assert speedup.throughput(dataclasses.replace(record, config=gpu, solo_events=busy))[1] != "launch-bound"
+    cell = speedup.Cell(2, 32, 1.0, 1.0, 1.0, "launch-bound", 0.1, gpu_ratio=2.0)
+    assert cell.label.startswith("not measured: launch-bound (GPU busy 2.0x")
+    assert speedup.cell_ratio(record) is None                                   # a CPU record has none
+
+
+def test_the_gpu_table_says_how_it_was_sized_and_which_cells_are_launch_bound(tmp_path, monkeypatch, capsys):
+    """`lab.reproduce speedup --device cuda` as a GPU host prints it, with the GPU faked: the
+    sizing in the header, each cell's GPU/host ratio, and no launch-bound cell called measured."""
+    from lab import reproduce, speedup
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda index: "a faked GPU")
+    start = speedup.gpu_start(quick=True)
+    sizing = speedup.Sizing(start, (12.5, 11.0), ((256, 64, (2.0, 2.1)), (512, 64, (12.5, 11.0))))
+    monkeypatch.setattr(speedup, "gpu_sizing", lambda *args: sizing)
+    monkeypatch.setattr(speedup, "measure_table", lambda *args, **kwargs: iter([
+        speedup.Cell(1, 1, 10.0, 1.0, 1.0, "measured", 0.0, gpu_ratio=12.5),
+        speedup.Cell(2, 1, 12.0, 1.2, 1.2, "launch-bound", 0.3, gpu_ratio=2.2)]))
+    assert reproduce.main(["speedup", "--device", "cuda", "--quick", "--stages", "1", "2", "--micro-batches", "1",
+                           "--out", str(tmp_path)]) == 0
+    table = (tmp_path / "speedup.md").read_text()
+    assert "sized for the GPU by measurement: width 256, batch 64" in table and "12.5, 11.0" in table
+    assert "| GPU/host time per task | how |" in table
+    rows = [line for line in table.splitlines() if line.startswith("| 2 |")]
+    assert "not measured: launch-bound (GPU busy 2.2x" in rows[0] and "measured (" not in rows[0]
