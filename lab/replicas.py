@@ -61,40 +61,53 @@ def compare(base: RunConfig, workers: int, global_batch: int, micro_size: int,
 
 @dataclass(frozen=True)
 class Plan:
-    """A large training run to lay out: W workers of `memory` bytes each, a model of `params`
-    parameters in `layers` layers, a global batch of `global_batch` sequences of `sequence`
-    tokens, micro-batches of `micro_size`. Every micro-batch is recomputed; training keeps 16 bytes
-    per parameter (weights, gradients, Adam's moments) and all-reduces 4-byte gradients."""
+    """A large training run to lay out: W workers of `memory` bytes each, a Transformer of `params`
+    parameters in `layers` layers of width `width` with `heads` attention heads, a global batch of
+    `global_batch` sequences of `sequence` tokens, micro-batches of `micro_size`. Every micro-batch
+    is recomputed (GPipe's re-materialization); training keeps 16 bytes per parameter (weights,
+    gradients, Adam's moments) and all-reduces 4-byte gradients. `selective` names the attention's
+    recompute choice: False keeps the a·s² attention scores and their softmax while a micro-batch
+    runs its backward; True recomputes them (Korthikanti et al.'s selective recompute) or never
+    stores them (a fused attention kernel)."""
 
     workers: int = 8
     memory: float = 80e9                  # bytes per worker
     params: float = 12e9
     layers: int = 48
     width: int = 4096
+    heads: int = 32
     sequence: int = 2048
     global_batch: int = 128
     micro_size: int = 4
     flops: float = 400e12                 # what a worker achieves, per second
     bandwidth: float = 100e9              # bytes per second each worker sends in an all-reduce
+    selective: bool = False
+
+    def layer_bytes(self) -> float:
+        """Bytes one layer keeps for its backward per micro-batch, in 16-bit, as Korthikanti et al.
+        (2022, "Reducing Activation Recomputation in Large Transformer Models") count them:
+        s·b·h·(34 + 5·a·s/h) with the attention's scores kept, s·b·h·34 with `selective`."""
+        s, b, h = self.sequence, self.micro_size, self.width
+        return s * b * h * (34 + (0 if self.selective else 5 * self.heads * s / h))
 
     def memory_of(self, replicas: int, stages: int) -> float:
-        """Bytes a worker holds: 16 per parameter of its stage, one micro-batch's activations of its
-        layers (about 34·sequence·width bytes per sample and layer, as Megatron-LM counts them in
-        16-bit), and the M micro-batch inputs kept for recompute."""
+        """Bytes a worker holds: 16 per parameter of its stage, the kept input of each of its M
+        micro-batches (2·s·b·h bytes each, 16-bit), and while one micro-batch is recomputed and runs
+        its backward, that micro-batch's activations of the stage's layers (`layer_bytes`)."""
         m = micro_batches(self.global_batch, self.micro_size, replicas)
-        layer = 34 * self.sequence * self.width
-        boundary = 2 * self.sequence * self.width
-        return 16 * self.params / stages + self.micro_size * (self.layers / stages) * layer \
-            + m * self.micro_size * boundary
+        kept_input = 2 * self.sequence * self.micro_size * self.width
+        return 16 * self.params / stages + (self.layers / stages) * self.layer_bytes() + m * kept_input
 
     def seconds(self, replicas: int, stages: int) -> dict:
-        """The step's time: the fill-drain pipeline, (M + K - 1) slots of one micro-batch on one
-        stage (8·params·tokens flops with recompute, over K), then the ring all-reduce of a
-        stage's gradients among the D replicas."""
+        """The step's time: one replica's pipeline in the lessons' one time model,
+        theory.time_vs_one_device(K, M, "always") times one device's forward and backward of the
+        replica's b·M sequences without recompute (6 flops per parameter and token), then the ring
+        all-reduce of a stage's gradients among the D replicas."""
         m = micro_batches(self.global_batch, self.micro_size, replicas)
-        slot = 8 * self.params * self.sequence * self.micro_size / self.flops / stages
+        one_device = 6 * self.params * self.sequence * self.micro_size * m / self.flops
+        pipeline = theory.time_vs_one_device(stages, m, "always") * one_device
         reduce = 2 * (replicas - 1) / replicas * 4 * self.params / stages / self.bandwidth
-        return {"pipeline": (m + stages - 1) * slot, "all-reduce": reduce, "step": (m + stages - 1) * slot + reduce}
+        return {"pipeline": pipeline, "all-reduce": reduce, "step": pipeline + reduce}
 
     def table(self) -> list[dict]:
         """Every layout of the workers: whether it fits, its bubble and its time."""
