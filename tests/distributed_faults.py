@@ -3,11 +3,12 @@ over the whole group, provokes one fault, and every rank prints one JSON line sa
 and when (wall-clock seconds, comparable across the ranks of one machine), in a file of its own
 in the folder named by GPIPE_FAULTS_OUT.
 
-    torchrun --standalone --nproc-per-node 3 tests/distributed_faults.py errors
+    torchrun --standalone --nproc-per-node 3 tests/distributed_faults.py errors [RUNS [BACKWARD_RUNS]]
     torchrun --nnodes 2 ... tests/distributed_faults.py kill      # one process per "node"
 """
 import json
 import os
+import pickle
 import signal
 import sys
 import time
@@ -62,7 +63,7 @@ class BackwardBomb(nn.Module):
 def report(**fields) -> None:
     """One JSON line in this rank's own file (the ranks' stdout lines could interleave)."""
     with open(os.path.join(os.environ["GPIPE_FAULTS_OUT"], f"rank{os.environ['RANK']}.jsonl"), "a") as out:
-        out.write(json.dumps({"scenario": SCENARIO, "rank": RANK, **fields}) + "\n")
+        out.write(json.dumps({"scenario": SCENARIO, "run": RUN, "rank": RANK, **fields}) + "\n")
 
 
 def attempt(call) -> None:
@@ -74,13 +75,44 @@ def attempt(call) -> None:
         report(raised=type(error).__name__, message=str(error), at=time.time())
 
 
+class Unpickled:
+    """What a pickled "end" message holds: unpickling it would write the file GPIPE_FAULTS_OUT/unpickled."""
+
+    def __reduce__(self):
+        return open, (os.path.join(os.environ["GPIPE_FAULTS_OUT"], "unpickled"), "w")
+
+
+def blob(data: bytes) -> torch.Tensor:
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8)
+
+
+FORGED_ENDS = {  # (the loss it came with, 24 samples) -> what a forger sends instead
+    "garbled end": lambda loss: (loss, torch.tensor([24]), blob(b"\x07" * 40)),
+    "pickled end": lambda loss: (loss, torch.tensor([24]), blob(pickle.dumps([Unpickled()]))),
+    "end of another form": lambda loss: torch.zeros(3),
+}
+
+
+def forge_end(pipe, forged) -> None:
+    """Make this rank's next "end" message the forged one (for one call)."""
+    transport = pipe._runner.transport
+    honest = transport.send_control
+
+    def send_control(destination, kind, value=None, micro=0):
+        if kind == "end":
+            transport.send_control = honest
+            value = forged(value[0])
+        honest(destination, kind, value, micro)
+    transport.send_control = send_control
+
+
 def batch():
     torch.manual_seed(1)
     return torch.randn(24, 16), torch.randint(0, 3, (24,))
 
 
-def main(group: str) -> None:
-    global SCENARIO, RANK
+def main(group: str, runs: int, backward_runs: int) -> None:
+    global SCENARIO, RANK, RUN
     dist.init_process_group("gloo")
     RANK, size = dist.get_rank(), dist.get_world_size()
     x, y = batch()
@@ -96,35 +128,47 @@ def main(group: str) -> None:
         pipe.close()  # the survivor's lane removes what the killed rank left in /dev/shm
         os._exit(0)  # the group is broken: leave without the collective clean-up
 
-    SCENARIO = "forward"
-    model = mlp()
-    model.insert(len(model) - 2, Explodes(at=3, how="raise"))  # in the last stage
-    pipe = GPipe(model, size, chunks=4, threads_per_stage=1, group=dist.group.WORLD)
-    attempt(lambda: pipe.step(inputs, targets, LOSS))
+    for RUN in range(max(runs, backward_runs)):  # each in a new pipe: a clean-up racing a survivor shows
+        if RUN < backward_runs:
+            SCENARIO = "backward"
+            model = mlp()
+            model.insert(1, BackwardBomb())  # in the first stage
+            pipe = GPipe(model, size, chunks=4, threads_per_stage=1, group=dist.group.WORLD)
+            attempt(lambda: pipe.step(inputs, targets, LOSS))
+            pipe.close()
+        if RUN >= runs:
+            continue
+        SCENARIO = "forward"
+        model = mlp()
+        model.insert(len(model) - 2, Explodes(at=3, how="raise"))  # in the last stage
+        pipe = GPipe(model, size, chunks=4, threads_per_stage=1, group=dist.group.WORLD)
+        attempt(lambda: pipe.step(inputs, targets, LOSS))
+        if RUN == 0:
+            SCENARIO = "recovers"  # the same pipe, the next step: works, and every rank gets the same loss
+            losses = []
+            attempt(lambda: losses.append(pipe.step(inputs, targets, LOSS).item()))
+            report(loss=losses[0] if losses else None)
+        pipe.close()
 
-    SCENARIO = "recovers"  # the same pipe, the next step: works, and every rank gets the same loss
-    losses = []
-    attempt(lambda: losses.append(pipe.step(inputs, targets, LOSS).item()))
-    report(loss=losses[0] if losses else None)
-    pipe.close()
-
-    SCENARIO = "backward"
-    model = mlp()
-    model.insert(1, BackwardBomb())  # in the first stage
-    pipe = GPipe(model, size, chunks=4, threads_per_stage=1, group=dist.group.WORLD)
-    attempt(lambda: pipe.step(inputs, targets, LOSS))
-    pipe.close()
+        pipe = GPipe(mlp(), size, chunks=4, threads_per_stage=1, group=dist.group.WORLD)
+        SCENARIO = "missing inputs"
+        report(failed_at=time.time())
+        attempt(lambda: pipe.step(None, targets, LOSS))
+        SCENARIO = "missing targets"
+        report(failed_at=time.time())
+        attempt(lambda: pipe.step(x, None, LOSS))
+        pipe.close()
+    RUN = 0
 
     pipe = GPipe(mlp(), size, chunks=4, threads_per_stage=1, group=dist.group.WORLD)
-    SCENARIO = "missing inputs"
-    report(failed_at=time.time())
-    attempt(lambda: pipe.step(None, targets, LOSS))
-    SCENARIO = "missing targets"
-    report(failed_at=time.time())
-    attempt(lambda: pipe.step(x, None, LOSS))
     SCENARIO = "forward only"  # output on the last rank, None elsewhere; inputs elsewhere are ignored
     out = pipe(x)
     report(output=None if out is None else list(out.shape))
+    for SCENARIO, forged in FORGED_ENDS.items():  # the last rank sends the one before it a forged "end"
+        if RANK == last:
+            forge_end(pipe, forged)
+        report(failed_at=time.time())
+        attempt(lambda: pipe.step(inputs, targets, LOSS))
     pipe.close()
 
     SCENARIO = "group size"
@@ -134,5 +178,5 @@ def main(group: str) -> None:
 
 
 if __name__ == "__main__":
-    SCENARIO, RANK = "start", int(os.environ["RANK"])
-    main(sys.argv[1])
+    SCENARIO, RANK, RUN = "start", int(os.environ["RANK"]), 0
+    main(sys.argv[1], *(int(n) for n in (sys.argv[2:] + ["1", "1"])[:2]))

@@ -6,15 +6,16 @@ each rank plans the same call in `GPipe` and runs its own stage's task list thro
 loop as threads. Then the call ends in two waves: "end" goes upstream from the last stage,
 carrying the mini-batch loss and each stage's part of the trace, and "done" comes back downstream,
 so a call returns on a rank only once every stage has finished it, and a failure anywhere is
-raised everywhere.
+raised everywhere. What ranks send each other is tensors and typed tables of numbers and short
+strings (engine/distributed/wire.py), never pickle: a rank executes nothing that it receives, and
+a message it cannot read is an error that names its sender.
 """
 from __future__ import annotations
 
 import os
-import pickle
 import time
 from contextlib import contextmanager
-from dataclasses import astuple
+from dataclasses import astuple, fields as fields_of
 from typing import Optional
 
 import torch
@@ -27,6 +28,7 @@ from ..stages import LocalStages
 from ..trace import Event, Message, Reduction, StageMemory, Trace
 from .replicas import Pending, Replicas
 from .transport import ProcessTransport, Ranks, StageFailed, check_group
+from .wire import Malformed, pack_table, unpack_table
 
 
 def place(group, stages: int, devices, module) -> tuple[int, torch.device]:
@@ -135,19 +137,38 @@ class RankRunner:
         """"end" upstream with the loss, the global batch's size and the trace pieces of this stage
         and those after it, then "done" downstream: when it arrives every stage has finished the call."""
         ranks, transport = self.ranks, self.transport
-        pieces = [piece]
+        pieces, later = [piece], b""
         if not ranks.is_last:
-            loss, size, later = transport.receive_control("end")
-            total = int(size.item())
-            pieces += pickle.loads(later.numpy().tobytes())
-        if not ranks.is_first:
-            blob = torch.frombuffer(bytearray(pickle.dumps(pieces)), dtype=torch.uint8)
+            loss, total, later, after = self._read_end(transport.receive_control("end"))
+            pieces += after
+        if not ranks.is_first:  # the later stages' pieces travel on as they came
+            blob = torch.frombuffer(bytearray(encode_pieces([piece]) + later), dtype=torch.uint8)
             transport.send_control(ranks.rank - 1, "end", (None if loss is None else loss.cpu(),
                                                            torch.tensor([total]), blob))
             transport.receive_control("done")
         if not ranks.is_last:
             transport.send_control(ranks.rank + 1, "done")
         return loss, total, pieces
+
+    def _read_end(self, value) -> tuple[Optional[torch.Tensor], int, bytes, list]:
+        """The next stage's "end" message as `_end_waves` sends it: the loss (None in a forward
+        call), the global batch's size and the trace pieces of the stages after this one (decoded,
+        and as they came); Malformed, naming the sender, if it is anything else."""
+        peer = self.ranks.rank + 1
+        try:
+            if not isinstance(value, tuple) or len(value) != 3 or value[1] is None or value[2] is None:
+                raise Malformed(f"expected (loss, batch size, trace), got {_shape_of(value)}")
+            loss, size, blob = value
+            if loss is not None and (not loss.is_floating_point() or loss.numel() != 1):
+                raise Malformed(f"the loss is a {loss.dtype} tensor of shape {tuple(loss.shape)}")
+            if size.dtype != torch.int64 or size.shape != (1,) or size.item() < 0:
+                raise Malformed(f"the batch size is a {size.dtype} tensor of shape {tuple(size.shape)}")
+            if blob.dtype != torch.uint8 or blob.dim() != 1:
+                raise Malformed(f"the trace is a {blob.dtype} tensor of shape {tuple(blob.shape)}")
+            data = blob.numpy().tobytes()
+            return loss, int(size.item()), data, decode_pieces(data, self.ranks.size - peer)
+        except Malformed as error:
+            raise Malformed(f"the 'end' message from stage {peer} is malformed: {error}") from None
 
     def _trace(self, pieces: list, call: Call, wall: float) -> Trace:
         """One trace of the stages this rank heard from (all of them on rank 0), on its time base."""
@@ -166,3 +187,44 @@ class RankRunner:
                      messages=sorted(messages, key=lambda m: m.start), transport="processes",
                      lane=self.transport.lane.name, reductions=sorted(reductions, key=lambda r: r.stage),
                      replicas=1 if self.replicas is None else self.replicas.size)
+
+
+def _shape_of(value) -> str:
+    """What a received value is, in a few words (a tensor, or a tuple of tensors and Nones)."""
+    if isinstance(value, tuple):
+        return "(" + ", ".join("None" if v is None else "a tensor" for v in value) + ")"
+    return "None" if value is None else "a tensor"
+
+
+def _schema(cls) -> str:
+    """The fields of one of the trace's records as a table's schema (wire.pack_table)."""
+    return "".join({"int": "i", "float": "f", "str": "s", "Optional[int]": "n"}[f.type] for f in fields_of(cls))
+
+
+PIECE = ("f", _schema(Event), _schema(Message), _schema(StageMemory), _schema(Reduction))  # start; tables
+
+
+def encode_pieces(pieces: list) -> bytes:
+    """Trace pieces (RankRunner._piece: a start, then events, messages, memory and reductions as
+    tuples of their fields) in the wire's typed tables, one after another: numbers and short
+    strings, nothing that runs code when read."""
+    return b"".join(pack_table(schema, rows) for start, events, messages, memory, reductions in pieces
+                    for schema, rows in zip(PIECE, ([(start,)], events, messages, [memory], reductions)))
+
+
+def decode_pieces(data: bytes, count: int) -> list:
+    """The `count` trace pieces that `encode_pieces` laid out in `data`; Malformed if it holds
+    anything else."""
+    pieces, offset = [], 0
+    for _ in range(count):
+        tables = []
+        for schema in PIECE:
+            rows, offset = unpack_table(schema, data, offset)
+            tables.append(rows)
+        start, events, messages, memory, reductions = tables
+        if len(start) != 1 or len(memory) != 1:
+            raise Malformed(f"a trace piece with {len(start)} starts and {len(memory)} memory records")
+        pieces.append((start[0][0], events, messages, memory[0], reductions))
+    if offset != len(data):
+        raise Malformed(f"{len(data) - offset} bytes after {count} trace pieces")
+    return pieces

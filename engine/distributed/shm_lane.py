@@ -144,9 +144,12 @@ class _Inbox:
         self.said_bye = False
 
     def segment(self, kind: str, generation: int) -> _Segment:
+        """The neighbour's segment of `kind` and `generation`, mapped the first time it is named
+        (OSError if it cannot be: its sender or a failure's clean-up removed it first)."""
         known = self.segments.get(kind)
         if known is None or known[0] != generation:
             if known is not None:
+                del self.segments[kind]
                 known[1].close()
             known = (generation, _Segment(f"{self.prefix}{kind}-{generation}"))
             self.segments[kind] = known
@@ -161,8 +164,9 @@ class _Inbox:
 class ShmLane:
     """This rank's shared-memory connections to its neighbouring stages (see the module docstring).
     `store` is the pipe's Store, `prefix` names its files in /dev/shm (every rank of the pipe is
-    given the same), `on_stall` is called while a full FIFO keeps a sender waiting, `spin` is how
-    many seconds a wait polls before it sleeps (0: sleep at once)."""
+    given the same), `on_stall` raises a failure of the call that another rank reported (it is
+    called while a full FIFO keeps a sender waiting, and before a message that cannot be read is
+    reported as malformed), `spin` is how many seconds a wait polls before it sleeps (0: sleep at once)."""
 
     name = "shared memory"
     error = None  # no waits on works here: a lost peer shows in `receive` itself
@@ -252,22 +256,36 @@ class ShmLane:
         return self._poller.poll(timeout * 1e3)
 
     def _records(self, inbox: _Inbox) -> list[Arrival]:
+        """The whole records read so far from one neighbour's FIFO, their payloads copied out."""
         arrivals = []
         while len(inbox.pending) >= RECORD.size:
             length, generation, offset = RECORD.unpack_from(inbox.pending)
-            if len(inbox.pending) < length:
+            if len(inbox.pending) < length and length <= select.PIPE_BUF:
                 break
             start = time.perf_counter()
-            header = wire.decode_header(np.frombuffer(inbox.pending, dtype=np.uint8, count=length - RECORD.size,
-                                                      offset=RECORD.size))
-            inbox.pending = inbox.pending[length:]
-            if header.kind == "bye":
-                inbox.said_bye = True
-                continue
-            tensors = wire.tensors_in(inbox.segment(header.kind, generation).view, offset, header) \
-                if header.entries else []
+            try:
+                if not RECORD.size < length <= select.PIPE_BUF:
+                    raise wire.Malformed(f"a record of {length} bytes")
+                header = wire.decode_header(np.frombuffer(inbox.pending, dtype=np.uint8, count=length - RECORD.size,
+                                                          offset=RECORD.size))
+                inbox.pending = inbox.pending[length:]
+                if header.kind == "bye":
+                    inbox.said_bye = True
+                    continue
+                tensors = wire.tensors_in(inbox.segment(header.kind, generation).view, offset, header) \
+                    if header.entries else []
+            except (wire.Malformed, OSError) as error:
+                raise self._unreadable(inbox.peer, error) from None
             arrivals.append(Arrival(inbox.peer, header, tensors, None, start, time.perf_counter()))
         return arrivals
+
+    def _unreadable(self, peer: int, error: BaseException) -> wire.Malformed:
+        """A message from `peer` that cannot be read. While a call is failing that is expected (the
+        failure's clean-up removes segments that a neighbour has not mapped yet), and `on_stall`
+        raises the failure that started it; else the message is malformed, and said so."""
+        self.on_stall()
+        reason = f"its payload's segment cannot be opened ({error.strerror})" if isinstance(error, OSError) else error
+        return wire.Malformed(f"a message from rank {peer} through shared memory cannot be read: {reason}")
 
     def close(self, step: int) -> None:
         """Say goodbye to every neighbour, close and unmap everything, remove what is left of the

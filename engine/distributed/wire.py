@@ -36,6 +36,11 @@ _MASK64 = (1 << 64) - 1
 NO_DECISION = Decision(0, 0)
 
 
+class Malformed(ValueError):
+    """A message that does not read as this format says: a bug, or a writer that is not a rank of
+    the pipe. Nothing of it is executed or guessed at."""
+
+
 class Lost(Exception):
     """A lane's connection to `peer` broke (its process has probably died)."""
 
@@ -166,27 +171,48 @@ def write_tensors(view: np.ndarray, offset: int, tensors: Sequence[torch.Tensor]
 
 
 def decode_header(view: np.ndarray) -> Header:
-    """Read the header at the start of a received frame (given as its NumPy view)."""
-    length = struct.unpack_from("<q", view, 0)[0]
-    words = struct.unpack_from(f"<{length}q", view, 0)
-    entries, position = [], _FIXED
-    for _ in range(words[8]):
-        if words[position] == 0:
-            entries.append(None)
-            position += 1
-            continue
-        ndim = words[position + 3]
-        entries.append(Entry(DTYPES[words[position + 1]], tuple(words[position + 4:position + 4 + ndim]),
-                             bool(words[position + 2])))
-        position += 4 + ndim
-    return Header(step=words[1], kind=KINDS[words[2]], micro=words[3], chunk=words[4],
-                  decision=Decision(batch=words[5], seed=words[6] & _MASK64), form=_FORMS[words[7]],
-                  entries=tuple(entries), inline=bool(words[9]), size=_padded(8 * length))
+    """Read the header at the start of a received frame (given as its NumPy view); Malformed if it
+    is not one that `encode` wrote."""
+    try:
+        length = struct.unpack_from("<q", view, 0)[0]
+        if not _FIXED <= length <= len(view) // 8:
+            raise Malformed(f"a header of {length} words in a frame of {len(view)} bytes")
+        words = struct.unpack_from(f"<{length}q", view, 0)
+        entries, position = [], _FIXED
+        for _ in range(words[8]):
+            if words[position] == 0:
+                entries.append(None)
+                position += 1
+                continue
+            ndim = words[position + 3]
+            shape = tuple(words[position + 4:position + 4 + ndim])
+            if ndim < 0 or len(shape) != ndim or min(shape, default=0) < 0:
+                raise Malformed(f"entry {len(entries)} has the shape {shape} of {ndim} dimensions")
+            entries.append(Entry(_pick(DTYPES, words[position + 1], "dtype"), shape, bool(words[position + 2])))
+            position += 4 + ndim
+        if position != length or words[8] < 0:
+            raise Malformed(f"{words[8]} entries do not fill a header of {length} words")
+        return Header(step=words[1], kind=_pick(KINDS, words[2], "kind"), micro=words[3], chunk=words[4],
+                      decision=Decision(batch=words[5], seed=words[6] & _MASK64),
+                      form=_pick(_FORMS, words[7], "form"), entries=tuple(entries), inline=bool(words[9]),
+                      size=_padded(8 * length))
+    except (IndexError, struct.error) as error:
+        raise Malformed(f"an unreadable header ({error})") from None
+
+
+def _pick(table: tuple, index: int, what: str):
+    """table[index] for an index that a header gave, or Malformed."""
+    if not 0 <= index < len(table):
+        raise Malformed(f"no {what} has the number {index}")
+    return table[index]
 
 
 def tensors_in(view: np.ndarray, offset: int, header: Header) -> list[Optional[torch.Tensor]]:
     """The tensors that `header` announces, laid out in `view` from `offset` on (by write_tensors),
-    copied out of it (the buffer is reused for the next message)."""
+    copied out of it (the buffer is reused for the next message); Malformed if `view` ends first."""
+    needed = sum(_padded(e.nbytes) for e in header.entries if e is not None)
+    if offset < 0 or offset + needed > len(view):
+        raise Malformed(f"a payload of {needed} bytes at byte {offset} of a buffer of {len(view)}")
     tensors = []
     for entry in header.entries:
         if entry is None:
@@ -211,3 +237,68 @@ def marked(tensors: list[Optional[torch.Tensor]], header: Header) -> list[Option
     """The received tensors with requires_grad as the sender's had it."""
     return [t if t is None or entry is None or not entry.requires_grad else t.requires_grad_()
             for t, entry in zip(tensors, header.entries)]
+
+
+# --- what ranks tell each other besides tensors: tables of numbers and short strings ------------
+
+SHORT = 255  # bytes of a string in a table: names and labels ("F", "cpu", "act"), not text
+_TABLE = struct.Struct("<qq")  # rows, distinct strings
+
+
+def pack_table(schema: str, rows: Sequence[tuple]) -> bytes:
+    """`rows` in a fixed, typed layout (never pickle): `schema` gives each field's type, "i" an
+    int, "n" a count or None, "f" a float, "s" a short string. The layout: the row count and the
+    count of distinct strings, the strings (a length byte, then UTF-8), then one column per field,
+    in the schema's order: float64 for "f", else int64 (a string as its number among the distinct
+    ones, None as -1)."""
+    columns = list(zip(*rows)) if rows else [()] * len(schema)
+    strings = sorted({text for kind, column in zip(schema, columns) if kind == "s" for text in column})
+    number = {text: i for i, text in enumerate(strings)}
+    parts = [_TABLE.pack(len(rows), len(strings))]
+    for text in strings:
+        raw = text.encode()
+        if len(raw) > SHORT:
+            raise ValueError(f"{text[:40]!r}...: a table's strings are at most {SHORT} bytes")
+        parts += [bytes([len(raw)]), raw]
+    for kind, column in zip(schema, columns):
+        if kind == "s":
+            column = [number[text] for text in column]
+        elif kind == "n":
+            column = [-1 if value is None else value for value in column]
+        parts.append(np.array(column, dtype=np.float64 if kind == "f" else np.int64).tobytes())
+    return b"".join(parts)
+
+
+def unpack_table(schema: str, data: bytes, offset: int = 0) -> tuple[list[tuple], int]:
+    """The rows that `pack_table(schema, ...)` laid out in `data` from `offset` on, and the offset
+    after them; Malformed if `data` does not hold such a table."""
+    try:
+        count, distinct = _TABLE.unpack_from(data, offset)
+    except struct.error:
+        raise Malformed(f"a table cut short at byte {offset} of {len(data)}") from None
+    offset += _TABLE.size
+    if not 0 <= count <= len(data) or not 0 <= distinct <= count * schema.count("s") or \
+            offset + distinct + 8 * count * len(schema) > len(data):
+        raise Malformed(f"a table of {count} rows and {distinct} strings in {len(data) - offset} bytes")
+    strings = []
+    for _ in range(distinct):
+        size = data[offset]
+        try:
+            strings.append(bytes(data[offset + 1:offset + 1 + size]).decode())
+        except UnicodeDecodeError:
+            raise Malformed(f"a string at byte {offset} that is not UTF-8") from None
+        offset += 1 + size
+    if offset + 8 * count * len(schema) > len(data):
+        raise Malformed(f"a table of {count} rows cut short at byte {len(data)}")
+    columns = []
+    for kind in schema:
+        column = np.frombuffer(data, dtype=np.float64 if kind == "f" else np.int64, count=count, offset=offset)
+        offset += 8 * count
+        if kind == "s" and count and not 0 <= column.min() <= column.max() < distinct:
+            raise Malformed(f"a string's number out of the {distinct} of its table")
+        if kind == "n" and count and column.min() < -1:
+            raise Malformed(f"a count of {column.min()}")
+        values = column.tolist()
+        columns.append([strings[i] for i in values] if kind == "s" else
+                       [None if value == -1 else value for value in values] if kind == "n" else values)
+    return list(zip(*columns)) if count else [], offset
