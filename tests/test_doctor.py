@@ -27,7 +27,8 @@ def test_the_doctor_passes_every_row_on_this_host_within_a_minute():
 def test_a_failing_check_is_a_fail_row_and_exit_code_one(monkeypatch, capsys):
     def broken() -> str:
         raise AssertionError("K=2 differs from K=1 by 1e-3")
-    monkeypatch.setattr(doctor, "plan", lambda cli: ([("fine", lambda: "ok"), ("broken", broken)], ["left out: x"]))
+    monkeypatch.setattr(doctor, "plan", lambda cli, deadline: ([("fine", lambda: "ok"), ("broken", broken)],
+                                                               ["left out: x"]))
     assert doctor.main([]) == 1
     out = capsys.readouterr().out
     assert "FAIL" in out and "AssertionError: K=2 differs from K=1 by 1e-3" in out and "# left out: x" in out
@@ -42,10 +43,12 @@ def test_trace_order_finds_a_task_that_started_before_its_input_was_ready():
     early = dataclasses.replace(forward, start=producer.end - 1e-3)
     shifted = dataclasses.replace(trace, events=[early if e is forward else e for e in trace.events])
     assert doctor.out_of_order(shifted) == [f"F{forward.micro} of chunk 1"]
+    assert doctor.out_of_order(shifted, slack=2e-3) == []   # within the GPUs' origin skew, say
+    assert doctor.trace_slack("cpu") == doctor.CPU_SLACK
 
 
 @pytest.mark.skipif(not doctor.torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_the_gpu_rows_pass():
-    checks, _ = doctor.plan(cli=False)
+    checks, _ = doctor.plan(cli=False)  # each GPU row in a process of its own
     rows = doctor.run_checks(checks)
     assert all(row.passed for row in rows), [doctor.format_row(row) for row in rows if not row.passed]

@@ -1,0 +1,56 @@
+"""python -m lab.doctor's GPU rows in processes of their own, and --report: one markdown file with the
+versions, the rows and each part's status, figures and output tail; on this CPU host the GPU parts
+say they were skipped. The parts' commands are faked here (their real ones need a GPU)."""
+import os
+import sys
+
+from lab import doctor
+
+
+def test_a_row_runs_in_a_process_of_its_own_and_says_what_it_saw():
+    assert "22 tasks of K=2" in doctor.isolated("trace order, CPU")()
+    try:
+        doctor.isolated("no such row")()
+    except doctor.Failed as error:
+        assert "exited with 2" in str(error) and "no check named 'no such row'" in str(error)
+    else:
+        raise AssertionError("an unknown row passed")
+
+
+def test_the_report_on_a_cpu_host_has_every_section_and_skips_the_gpu_parts(tmp_path, monkeypatch, capsys):
+    quick = [(name, doctor.CPU_ROWS[name]) for name in ("threads: K=2 equals K=1", "trace order, CPU")]
+    monkeypatch.setattr(doctor, "plan", lambda cli, deadline: (quick, ["no GPU: the CUDA rows were not run"]))
+    monkeypatch.setattr(doctor.torch.cuda, "is_available", lambda: False)
+    out = tmp_path / "report.md"
+    assert doctor.main(["--report", "--out", str(out)]) == 0
+    text = out.read_text()
+    for words in ("## Versions", "| torch | " + doctor.torch.__version__, "| threads: K=2 equals K=1 | pass |",
+                  "| trace order, CPU | pass |", "no GPU: the CUDA rows were not run", "everything passed"):
+        assert words in text, words
+    assert text.count("skipped: no CUDA GPU") == 2 * len(doctor.report_parts(tmp_path))  # table and section
+    assert "`python -m pytest -q -p no:cacheprovider tests/test_cuda.py`: skipped: no CUDA GPU" in text
+    assert f"report written to {out}" in capsys.readouterr().out
+
+
+def test_each_part_is_bounded_says_its_exit_status_and_leaves_no_process(tmp_path, monkeypatch):
+    figures = tmp_path / "table.md"
+    figures.write_text("| K | x |\n|---|---|\n| 2 | 1.9 |")
+    deadline = doctor.time.monotonic() + 60
+    done = doctor.run_part(doctor.Part("fine", ["-c", "print('step 20 loss 1.5')"], 30, figures=figures), deadline, 1)
+    assert done.passed and done.status == "exit status 0" and "loss 1.5" in done.tail and "| 2 | 1.9 |" in done.figures
+    failed = doctor.run_part(doctor.Part("fails", ["-c", "import sys; print('oops'); sys.exit(3)"], 30), deadline, 1)
+    assert not failed.passed and failed.status == "exit status 3" and failed.tail == "oops"
+    pid_file = tmp_path / "pid"
+    slow = ["-c", f"import subprocess, time; open({str(pid_file)!r}, 'w').write(str(subprocess.Popen(['sleep', '60'])"
+                  f".pid)); time.sleep(60)"]
+    monkeypatch.setattr(doctor, "MIN_PART_SECONDS", 0.5)
+    stopped = doctor.run_part(doctor.Part("slow", slow, 2), deadline, 1)
+    assert not stopped.passed and stopped.status.startswith("timed out after 2 s") and stopped.seconds < 10
+    grandchild, until = int(pid_file.read_text()), doctor.time.monotonic() + 5   # killed with its group: gone soon
+    while os.path.exists(f"/proc/{grandchild}") and doctor.time.monotonic() < until:
+        doctor.time.sleep(0.05)
+    assert not os.path.exists(f"/proc/{grandchild}")
+    spent = doctor.run_part(doctor.Part("late", ["-c", "pass"], 30), doctor.time.monotonic(), 1)
+    assert not spent.passed and spent.status.startswith("skipped: the report's")
+    text = doctor.report_text([("python", sys.version.split()[0])], [], [], [done, failed, stopped, spent], 3.0)
+    assert "SOMETHING FAILED" in text and "| fails | exit status 3 |" in text and "```text\noops\n```" in text
