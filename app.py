@@ -12,18 +12,14 @@ from typing import Optional
 import streamlit as st
 
 from lab import charts, replay, theory  # these and lab.config load without torch: see open_page
-from lab.config import (APP_DEFAULT, BALANCES, MEASURE_WARMUP, MODEL_CARDS, SCHEDULE_ORDER, RunConfig, check,
+from lab.config import (APP_DEFAULT, BALANCES, MEASURE_WARMUP, MODEL_CARDS, PAGE_BATCHES, PAGE_BLOCKS, PAGE_MICRO,
+                        PAGE_SEED, PAGE_STAGES, PAGE_VIRTUAL, PAGE_WIDTHS, SCHEDULE_ORDER, RunConfig, check, check_page,
                         measure_rounds, micro_batch_count, visible_gpus)
 
 RECOMPUTE = {"on, except the last micro-batch": "except_last", "on, every micro-batch": "always", "off": "never"}
 TRANSPORTS = {"processes": "one process per stage (torch.distributed, gloo)", "threads": "threads in this process"}
 LIVE_REDRAW_SECONDS = 0.25
 BROWSER_HEAD_START_SECONDS = 2.5
-# Width choices per model, capped so that any slider setting runs in seconds on 2 CPU cores.
-# The defaults (the last choices) make ops big enough that two stage threads overlap well.
-WIDTHS = {"mlp": [128, 256, 512, 1024], "transformer": [32, 64, 128], "cnn": [8, 16, 32]}
-BATCHES = {"mlp": [4, 8, 16, 32, 64], "transformer": [4, 8, 16, 32], "cnn": [4, 8, 16, 32, 64]}
-MAX_BLOCKS = {"mlp": 8, "transformer": 6, "cnn": 8}
 
 st.set_page_config(page_title="GPipe lab", layout="wide")
 
@@ -64,23 +60,34 @@ def bubble_points(config: RunConfig) -> list:
     return speedup.bubble_points(config)
 
 
+def slider(label: str, low: int, high: int, value: int, key: str) -> int:
+    """A sidebar slider of whole numbers. A value the session holds for it that the slider cannot
+    show (set by hand, not by moving it) is dropped first, and said so: Streamlit would raise."""
+    held = st.session_state.get(key)
+    if held is not None and (type(held) is not int or not low <= held <= high):
+        del st.session_state[key]
+        st.sidebar.warning(f"{label}: {held!r} is not one of {low} to {high}, so {value} is used")
+    return st.sidebar.slider(label, low, high, value, key=key)
+
+
 def controls() -> RunConfig:
     side = st.sidebar
     side.header("Pipeline")
     model = side.selectbox("model", list(MODEL_CARDS), index=list(MODEL_CARDS).index(APP_DEFAULT.model), key="model",
                            format_func=lambda m: f"{m}: {MODEL_CARDS[m].description}")
-    blocks = side.slider(f"blocks (the model has blocks + {MODEL_CARDS[model].extra_layers} layers)", 1, MAX_BLOCKS[model],
-                         APP_DEFAULT.blocks, key=f"blocks-{model}")
-    widths = WIDTHS[model]
+    blocks = slider(f"blocks (the model has blocks + {MODEL_CARDS[model].extra_layers} layers)", 1, PAGE_BLOCKS[model],
+                    APP_DEFAULT.blocks, key=f"blocks-{model}")
+    widths = PAGE_WIDTHS[model]
     width = side.select_slider("width", widths, value=widths[-1] if model != "mlp" else 512, key=f"width-{model}")
-    batch = side.select_slider("mini-batch N", BATCHES[model], value=APP_DEFAULT.batch, key=f"batch-{model}")
-    stages = side.slider("stages K", 1, 8, APP_DEFAULT.stages, key="stages")
-    micro = side.slider("micro-batches M", 1, 64, APP_DEFAULT.micro_batches, key="micro")
+    batch = side.select_slider("mini-batch N", PAGE_BATCHES[model], value=APP_DEFAULT.batch, key=f"batch-{model}")
+    stages = slider("stages K", 1, PAGE_STAGES, APP_DEFAULT.stages, key="stages")
+    micro = slider("micro-batches M", 1, PAGE_MICRO, APP_DEFAULT.micro_batches, key="micro")
     recompute = RECOMPUTE[side.radio("re-materialization (recompute)", list(RECOMPUTE), key="recompute")]
     schedule = side.selectbox("schedule", SCHEDULE_ORDER, key="schedule",
                               format_func={"gpipe": "GPipe (fill, drain)", "1f1b": "1F1B",
                                            "interleaved": "interleaved 1F1B", "zb-h1": "zero bubble (ZB-H1)"}.get)
-    virtual = side.slider("chunks per stage v", 2, 4, 2, key="virtual") if schedule == "interleaved" else 1
+    virtual = (slider("chunks per stage v", *PAGE_VIRTUAL, PAGE_VIRTUAL[0], key="virtual")
+               if schedule == "interleaved" else 1)
     balance = side.radio("balance", BALANCES, key="balance", format_func={"uniform": "equal layer counts", "time": "by measured time",
                                                            "size": "by memory"}.get)
     gpus = visible_gpus()
@@ -97,7 +104,7 @@ def controls() -> RunConfig:
                                help="Threads share one Python interpreter, so on small models their work barely "
                                     "overlaps; processes (one per stage, the way torchrun runs them on many "
                                     "machines) overlap fully but pay for every message between stages.")
-    seed = int(side.number_input("seed", 0, 10_000, 0, key="seed"))
+    seed = int(side.number_input("seed", 0, PAGE_SEED, 0, key="seed"))
     return RunConfig(model=model, blocks=blocks, width=width, batch=batch, stages=stages, micro_batches=micro,
                      checkpoint=recompute, balance=balance, seed=seed, transport=transport, schedule=schedule,
                      virtual_stages=virtual, device=device)
@@ -367,6 +374,7 @@ def open_page() -> tuple[Optional[RunConfig], object]:
     config = controls()
     try:
         check(config)
+        check_page(config)  # whatever the request said, nothing beyond the controls' ranges runs
         measure_rounds()  # GPIPE_LAB_ROUNDS, if set, must be a number of rounds
     except ValueError as error:
         st.error(f"This combination cannot run: {error}")

@@ -82,7 +82,16 @@ APP_DEFAULT = RunConfig(model="transformer", blocks=6, width=128, batch=32, stag
                         checkpoint="except_last", transport="processes")
 # How the app (and `python -m lab.reproduce transports`) measures a setting: warm-up steps, then
 # rounds of one step beside one K=1 step, every figure the median over the rounds with its range.
-MEASURE_WARMUP, MEASURE_ROUNDS = 4, 11
+MEASURE_WARMUP, MEASURE_ROUNDS, MAX_ROUNDS = 4, 11, 100
+
+# What a page of the app may ask for: its controls' ranges, capped so that any setting runs in
+# seconds on 2 CPU cores (the defaults, the last widths, make ops big enough that two stage threads
+# overlap well). The app checks every setting against them again (check_page), whatever the
+# request said: a hand-edited session or request cannot start work beyond them.
+PAGE_WIDTHS = {"mlp": (128, 256, 512, 1024), "transformer": (32, 64, 128), "cnn": (8, 16, 32)}
+PAGE_BATCHES = {"mlp": (4, 8, 16, 32, 64), "transformer": (4, 8, 16, 32), "cnn": (4, 8, 16, 32, 64)}
+PAGE_BLOCKS = {"mlp": 8, "transformer": 6, "cnn": 8}  # the most blocks
+PAGE_STAGES, PAGE_MICRO, PAGE_VIRTUAL, PAGE_SEED = 8, 64, (2, 4), 10_000  # the most K, M; v's range; the last seed
 
 
 def measure_rounds() -> int:
@@ -91,8 +100,8 @@ def measure_rounds() -> int:
     asked = os.environ.get("GPIPE_LAB_ROUNDS")
     if asked is None:
         return MEASURE_ROUNDS
-    if not asked.isdigit() or int(asked) < 1:
-        raise ValueError(f"GPIPE_LAB_ROUNDS={asked!r}: expected a whole number of rounds, at least 1")
+    if not asked.isdigit() or not 1 <= int(asked) <= MAX_ROUNDS:
+        raise ValueError(f"GPIPE_LAB_ROUNDS={asked!r}: expected a whole number of rounds from 1 to {MAX_ROUNDS}")
     return int(asked)
 
 
@@ -142,6 +151,21 @@ def check(config: RunConfig) -> None:
 
 
 NVIDIA_SMI = ("nvidia-smi", "/usr/lib/wsl/lib/nvidia-smi")  # on PATH, or where WSL2 keeps it
+
+
+def check_page(config: RunConfig) -> None:
+    """Raise ValueError if `config` is beyond what the app's controls offer (PAGE_*)."""
+    card(config.model)
+    offered = {"blocks": (config.blocks, range(1, PAGE_BLOCKS[config.model] + 1)),
+               "width": (config.width, PAGE_WIDTHS[config.model]), "batch": (config.batch, PAGE_BATCHES[config.model]),
+               "K": (config.stages, range(1, PAGE_STAGES + 1)), "M": (config.micro_batches, range(1, PAGE_MICRO + 1)),
+               "v": (config.virtual_stages, range(PAGE_VIRTUAL[0], PAGE_VIRTUAL[1] + 1)
+                     if config.schedule == "interleaved" else (1,)),
+               "seed": (config.seed, range(PAGE_SEED + 1)), "threads per stage": (config.threads_per_stage, (1,))}
+    for name, (value, allowed) in offered.items():
+        if value not in allowed:
+            offers = f"{allowed[0]} to {allowed[-1]}" if isinstance(allowed, range) else ", ".join(map(str, allowed))
+            raise ValueError(f"{name}={value!r} is beyond what this page offers for the {config.model} ({offers})")
 
 
 def visible_gpus(driver: str = "/proc/driver/nvidia/gpus", smi: tuple[str, ...] = NVIDIA_SMI) -> int:
