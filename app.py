@@ -95,7 +95,8 @@ def controls() -> RunConfig:
                         format_func={"cpu": "CPU cores", "cuda": f"GPUs ({gpus} here)"}.get) if gpus else "cpu"
     if device == "cuda":
         transport = "threads"
-        side.caption("On GPUs every stage is a thread of this server with a CUDA stream of its own"
+        side.caption("On GPUs every stage is a thread of this server with a CUDA stream of its own (the page can "
+                     "measure them as one process per GPU too, NCCL between them)"
                      + (f"; {stages} stages share the {gpus} GPU(s) here, so measured tasks wait for each other "
                         f"and the ideal replay shows a GPU per stage." if stages > gpus else "."))
     else:
@@ -221,7 +222,7 @@ def show_traffic(record: RunRecord, config: RunConfig) -> None:
                        record.boundary_how, delta_color="off")
         other = "threads" if config.transport == "processes" else "processes"
         refused = refusal(config.but(transport=other))
-        if refused:  # stages on GPUs run as threads here: offer only what can run
+        if refused:  # offer only what can run
             cols[2].caption(f"Stages as {other} are not offered at these settings: {refused}")
         elif cols[2].button(f"measure with {other} too", key="other_transport"):
             st.session_state.setdefault("compared", set()).add(config.but(transport=other))
@@ -392,7 +393,7 @@ def main(config: Optional[RunConfig], chart) -> None:
     if config is None:
         return
     if config.transport == "processes":  # start them while the warm-up runs
-        processes.start_ahead(config.stages, config.threads_per_stage)
+        processes.start_ahead(config.stages, config.threads_per_stage, config.device)
     try:
         record = live_run(config, chart)
         show_pipeline(record, config)

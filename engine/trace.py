@@ -87,7 +87,7 @@ class StageMemory:
 class Trace:
     """The record of the last `step()` or forward call of a GPipe. With stages as processes
     (`group=`), `messages` holds what crossed between them, `transport` says "processes" and
-    `lane` how: "shared memory" (one host) or "gloo". With `data_parallel=`, `reductions` holds
+    `lane` how: "shared memory" (one host), "gloo", or "gloo+nccl" (payloads between GPUs on NCCL). With `data_parallel=`, `reductions` holds
     each stage's gradient all-reduce with its replicas, and `replicas` says how many there are
     (the trace itself is this pipeline's)."""
 

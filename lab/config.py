@@ -143,9 +143,6 @@ def check(config: RunConfig) -> None:
         raise ValueError(f"device={config.device!r}: expected 'cpu' or 'cuda'")
     if config.transport not in TRANSPORTS:
         raise ValueError(f"transport={config.transport!r}: expected one of {TRANSPORTS}")
-    if config.transport == "processes" and config.device != "cpu":
-        raise ValueError("transport='processes' runs the lab's stage processes on this machine's CPU (gloo); "
-                         "for stages on GPUs use torchrun with NCCL (see the README)")
     if config.device == "cuda" and not _cuda_available():
         raise ValueError("device='cuda' but this host has no CUDA GPU (torch.cuda.is_available() is False)")
 

@@ -239,7 +239,7 @@ def _stepper(config: RunConfig, model: nn.Sequential, balance: list[int], data: 
     inputs, targets, loss_fn = data
     if config.transport == "processes":
         recipe = dict(name=config.model, blocks=config.blocks, width=config.width, seed=config.seed)
-        with processes.pool_for(config.stages, config.threads_per_stage, on_wait) as pool:
+        with processes.pool_for(config.stages, config.threads_per_stage, on_wait, config.device) as pool:
             pool.build("lab.models:build", recipe, balance=balance, **pipe_options(config))
 
             def step_in_processes(on_event):
@@ -373,7 +373,7 @@ def train(config: RunConfig, steps: int, lr: float = 3e-3) -> list[float]:
     batches = [zoo.batch(config.batch, config.width, config.seed + 1 + step) for step in range(steps)]
     if config.transport == "processes":
         recipe = dict(name=config.model, blocks=config.blocks, width=config.width, seed=config.seed)
-        with processes.pool_for(config.stages, config.threads_per_stage) as pool:
+        with processes.pool_for(config.stages, config.threads_per_stage, device=config.device) as pool:
             pool.build("lab.models:build", recipe, balance=balance, optimizer=("torch.optim.Adam", {"lr": lr}),
                        **pipe_options(config))
             return [pool.step(x, y, zoo.loss_fn).item() for x, y in batches]

@@ -19,7 +19,7 @@ from engine.distributed.pool import ProcessPool, StageProcessError
 
 _turn = threading.Lock()
 _pool: Optional[ProcessPool] = None
-_shape: tuple[int, int] = (0, 0)
+_shape: tuple = ()  # (stages, threads per stage, device) of the pool that is up
 _holder = ""  # who holds the turn: "a run", or "start-up" (a pool started ahead of its first run)
 
 
@@ -29,9 +29,10 @@ def busy() -> bool:
 
 
 @contextmanager
-def pool_for(stages: int, threads_per_stage: int = 1, on_wait: Optional[Callable[[], None]] = None
-             ) -> Iterator[ProcessPool]:
-    """Hold the shared pool, with `stages` processes, for one run. If another run holds it, call
+def pool_for(stages: int, threads_per_stage: int = 1, on_wait: Optional[Callable[[], None]] = None,
+             device: str = "cpu") -> Iterator[ProcessPool]:
+    """Hold the shared pool, with `stages` processes computing on `device` ("cpu", or "cuda": a GPU
+    each, NCCL between them where there are enough GPUs), for one run. If another run holds it, call
     `on_wait()` once and wait. A stage process that died, during this run or since the last, is
     raised as StageProcessError; the next run starts new processes."""
     global _holder
@@ -43,7 +44,7 @@ def pool_for(stages: int, threads_per_stage: int = 1, on_wait: Optional[Callable
     try:
         if _pool is not None:
             _pool.check_alive()  # a stage process that died since the last run is reported, once
-        yield _pool_of(stages, threads_per_stage)
+        yield _pool_of(stages, threads_per_stage, device)
     except StageProcessError:
         shutdown_pool()
         raise
@@ -51,7 +52,7 @@ def pool_for(stages: int, threads_per_stage: int = 1, on_wait: Optional[Callable
         _turn.release()
 
 
-def start_ahead(stages: int, threads_per_stage: int = 1) -> None:
+def start_ahead(stages: int, threads_per_stage: int = 1, device: str = "cpu") -> None:
     """Start the shared pool with `stages` processes now, on a thread of its own, unless it is up
     or being used: a page's first run then finds its stage processes starting or started (and
     waits for them without being told that another session holds them)."""
@@ -64,7 +65,7 @@ def start_ahead(stages: int, threads_per_stage: int = 1) -> None:
             return
         _holder = "start-up"
         try:
-            _pool_of(stages, threads_per_stage)
+            _pool_of(stages, threads_per_stage, device)
         except StageProcessError:
             shutdown_pool()  # the run that needs it will start new ones, and say why if it fails again
         finally:
@@ -72,13 +73,13 @@ def start_ahead(stages: int, threads_per_stage: int = 1) -> None:
     threading.Thread(target=start, name="gpipe-pool-start", daemon=True).start()
 
 
-def _pool_of(stages: int, threads_per_stage: int) -> ProcessPool:
+def _pool_of(stages: int, threads_per_stage: int, device: str = "cpu") -> ProcessPool:
     """The shared pool with that shape, made anew if it has another shape or is gone (turn held)."""
     global _pool, _shape
-    if _pool is None or not _pool.alive or _shape != (stages, threads_per_stage):
+    if _pool is None or not _pool.alive or _shape != (stages, threads_per_stage, device):
         shutdown_pool()
-        _pool = ProcessPool(stages, threads_per_stage=threads_per_stage)
-        _shape = (stages, threads_per_stage)
+        _pool = ProcessPool(stages, threads_per_stage=threads_per_stage, device=device)
+        _shape = (stages, threads_per_stage, device)
     return _pool
 
 

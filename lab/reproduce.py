@@ -59,8 +59,10 @@ def parser() -> argparse.ArgumentParser:
             command.add_argument("--model", default="transformer", help="transformer (default) or cnn")
             command.add_argument("--stages", type=int, nargs="+", default=[1, 2, 4, 8], help="K values")
             command.add_argument("--micro-batches", type=int, nargs="+", default=[1, 4, 32], help="M values")
-            command.add_argument("--transport", default="threads", choices=["threads", "processes"],
-                                 help="measured cells: stages as threads (default) or one process per stage")
+            command.add_argument("--transport", default=None, choices=["threads", "processes"],
+                                 help="measured cells: stages as threads or one process per stage (default: "
+                                      "processes on 2+ GPUs, NCCL between them, with threads measured beside; "
+                                      "else threads)")
         if name == "transports":
             default = APP_DEFAULT
             command.add_argument("--model", default=default.model, help=f"zoo model (default {default.model})")
@@ -93,9 +95,6 @@ def check(args: argparse.Namespace) -> None:
         raise ValueError(f"--device {device!r}: expected cpu or cuda")
     if device == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device cuda, but this host has no CUDA GPU (torch.cuda.is_available() is False)")
-    if device == "cuda" and getattr(args, "transport", "threads") == "processes":
-        raise ValueError("--transport processes runs the stages as local CPU processes over gloo; on GPUs launch "
-                         "python -m lab.train under torchrun (NCCL) instead, or use --transport threads")
     model = getattr(args, "model", "transformer")
     if model not in ("transformer", "cnn"):
         raise ValueError(f"--model {model!r}: expected transformer or cnn")
@@ -131,7 +130,15 @@ def model_line(base: RunConfig) -> str:
 def speedup_config(args) -> RunConfig:
     """The model each speedup cell trains (speedup.table_setting): 8 layers, so K runs up to 8."""
     return speedup.table_setting(args.device, args.quick, model=args.model, seed=args.seed,
-                                 transport=getattr(args, "transport", "threads"))
+                                 transport=speedup_transport(args))
+
+
+def speedup_transport(args) -> str:
+    """How the measured cells' stages run: --transport, else one process per GPU where there are
+    two GPUs or more (as torch.distributed.pipelining runs them), else threads."""
+    if getattr(args, "transport", None):
+        return args.transport
+    return "processes" if args.device == "cuda" and torch.cuda.device_count() >= 2 else "threads"
 
 
 def transports_config(args) -> RunConfig:
@@ -173,6 +180,8 @@ def speedup_rows(args, progress) -> Iterator[dict]:
                "ideal without recompute K*M/(M+K-1)": round(theory.ideal_speedup(*key), 2),
                "bubble": round(cell.bubble, 3),
                **({} if cell.gpu_ratio is None else {"GPU/host time per task": round(cell.gpu_ratio, 1)}),
+               **({} if cell.threads_vs_same_m is None else
+                  {"threads beside: vs K=1, same M": round(cell.threads_vs_same_m, 2)}),
                "how": cell.label}
 
 

@@ -154,6 +154,7 @@ class Cell:
     replayed_vs_same_m: Optional[float] = None  # the ideal replay's speedup over K=1 at the same M,
     # on any host (with replay_all): what claims about scaling are checked on
     gpu_ratio: Optional[float] = None  # on GPUs: the lowest stage's GPU time over host time per task
+    threads_vs_same_m: Optional[float] = None  # on GPUs, a cell measured with processes: threads' speedup beside
 
     @property
     def label(self) -> str:
@@ -194,7 +195,8 @@ def measure_table(base: RunConfig, stages: Iterable[int] = (1, 2, 4, 8), micro: 
     With `base.transport="processes"` the cells the host can measure run one process per stage;
     K=1 (one stage, nothing crosses) and the replayed cells run their steps as threads. With
     `replay_all`, every cell also gets its ideal replay's speedup, whatever the host. On GPUs every
-    cell is also run one task at a time, for its GPU-over-host ratio (`Cell.gpu_ratio`)."""
+    cell is also run one task at a time, for its GPU-over-host ratio (`Cell.gpu_ratio`), and a cell
+    measured with processes is measured with threads too (`Cell.threads_vs_same_m`)."""
     stages, micro = list(stages), list(micro)
     single: dict[tuple[int, str], float] = {}  # (M, how) -> K=1 samples/s
     pair: dict[str, float] = {}                # how -> K=2 samples/s at the first M (measured and replayed)
@@ -221,9 +223,13 @@ def measure_table(base: RunConfig, stages: Iterable[int] = (1, 2, 4, 8), micro: 
             if k in stages:
                 norm = "measured" if how == "measured" else "ideal replay"  # a launch-bound cell is a replay
                 first = micro[0] if (micro[0], norm) in single else m
+                threads = None
+                if base.device == "cuda" and transport == "processes" and how == "measured":
+                    beside = run(base.but(stages=k, micro_batches=m, transport="threads"))
+                    threads = beside.samples_per_second / single[(m, "measured")]
                 yield Cell(k, m, rate, rate / single[(first, norm)], rate / single[(m, norm)], how, bubble, transport,
                            rate / pair[norm] if norm in pair else None,
-                           replayed / single[(m, "ideal replay")] if replay_all else None, cell_ratio(record))
+                           replayed / single[(m, "ideal replay")] if replay_all else None, cell_ratio(record), threads)
 
 
 def table(base: RunConfig, stages: Iterable[int] = (1, 2, 4, 8), micro: Iterable[int] = (1, 4, 32),

@@ -21,7 +21,7 @@ def two_gpus(monkeypatch):
     monkeypatch.setattr(lab.experiments, "run", on_the_cpu)
 
 
-def test_stages_on_gpus_offer_no_processes_and_say_why_and_k1_runs_on_one_gpu(app, two_gpus):  # noqa: F811
+def test_stages_on_gpus_are_measured_as_processes_too_and_k1_runs_on_one_gpu(app, two_gpus):  # noqa: F811
     app.run()
     app.selectbox(key="model").set_value("mlp").run()
     app.radio(key="device").set_value("cuda")
@@ -29,8 +29,9 @@ def test_stages_on_gpus_offer_no_processes_and_say_why_and_k1_runs_on_one_gpu(ap
         (app.slider if key in ("stages", "micro") else app.select_slider)(key=key).set_value(value)
     app.run()
     assert not app.exception and not app.error
-    with pytest.raises(KeyError):
-        app.button(key="other_transport")   # processes on GPUs: check() refuses them, so no button
     captions = [c.value for c in app.caption]
-    assert any("Stages as processes are not offered" in c and "torchrun" in c for c in captions), captions
     assert any("one stage on one GPU" in c for c in captions) and not any("on one core" in c for c in captions)
+    app.button(key="other_transport").click().run()     # one process per GPU: it used to crash the page
+    assert not app.exception and not app.error
+    compared = app.dataframe[0].value
+    assert list(compared["stages run as"]) == ["threads", "processes"] and (compared["step (ms)"] > 0).all()

@@ -211,3 +211,24 @@ def test_the_gpu_table_says_how_it_was_sized_and_which_cells_are_launch_bound(tm
     assert "| GPU/host time per task | how |" in table
     rows = [line for line in table.splitlines() if line.startswith("| 2 |")]
     assert "not measured: launch-bound (GPU busy 2.2x" in rows[0] and "measured (" not in rows[0]
+
+
+def test_the_gpu_table_runs_a_process_per_gpu_where_there_are_two(monkeypatch):
+    from argparse import Namespace
+
+    from lab import reproduce
+    for gpus, expected in ((0, "threads"), (1, "threads"), (2, "processes"), (8, "processes")):
+        monkeypatch.setattr(torch.cuda, "device_count", lambda gpus=gpus: gpus)
+        assert reproduce.speedup_transport(Namespace(device="cuda", transport=None)) == expected
+    assert reproduce.speedup_transport(Namespace(device="cuda", transport="threads")) == "threads"
+    assert reproduce.speedup_transport(Namespace(device="cpu", transport=None)) == "threads"
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
+def test_stage_processes_on_two_gpus_send_payloads_over_nccl():
+    from engine.distributed.pool import ProcessPool
+    x, y = torch.randn(8, 16), torch.randint(0, 4, (8,))
+    with ProcessPool(2, timeout=120, device="cuda") as pool:
+        pool.build("lab.models:build", dict(name="mlp", blocks=4, width=16), chunks=4)
+        loss = pool.step(x, y[:, None].float().expand(8, 16), torch.nn.functional.mse_loss)
+        assert pool.trace.lane == "gloo+nccl" and torch.isfinite(loss)

@@ -190,7 +190,7 @@ def test_record_exports():
     chrome = json.loads(record.chrome_trace())
     assert len([e for e in chrome["traceEvents"] if e["ph"] == "X"]) == len(record.events)
     lines = record.events_csv().strip().splitlines()
-    assert lines[0] == "stage,micro,op,start,end,device,chunk" and len(lines) == len(record.events) + 1
+    assert lines[0] == "stage,micro,op,start,end,device,chunk,host" and len(lines) == len(record.events) + 1
 
 
 def test_one_f_one_b_runs_through_the_lab():

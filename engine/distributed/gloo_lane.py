@@ -62,11 +62,10 @@ class _Link:
 class GlooLane:
     """This rank's gloo (and NCCL) connections to its neighbouring stages."""
 
-    name = "gloo"
-
     def __init__(self, rank: int, pipelines: list, members: list[int], peers: list[int], device: torch.device,
                  nccl: bool, wraps: bool = False):
         self.rank, self.device = rank, device
+        self.name = "gloo+nccl" if nccl else "gloo"  # headers always on gloo; payloads between GPUs on NCCL
         self.wire = own_group(pipelines, members, backend="gloo", timeout=NEVER)
         # NCCL matches messages per peer in posting order and may hold a send until its receive is
         # posted: a two-rank communicator per edge (kind, sender, receiver) carries traffic one way

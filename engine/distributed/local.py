@@ -55,11 +55,12 @@ class Meeting:
         self._finalizer()
 
 
-def join(path: str, rank: int, size: int, timeout: float = 120.0) -> None:
-    """In a member process: the default process group (gloo), met through the FileStore at `path`
-    (whose waits give up after `timeout` seconds)."""
+def join(path: str, rank: int, size: int, timeout: float = 120.0, backend: str = "gloo") -> None:
+    """In a member process: the default process group (`backend`: gloo, or gloo for host tensors and
+    NCCL for CUDA ones), met through the FileStore at `path` (whose waits give up after `timeout`
+    seconds)."""
     import torch.distributed as dist
 
     store = dist.FileStore(path, -1)
     store.set_timeout(timedelta(seconds=timeout))
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=size)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=size)

@@ -45,7 +45,8 @@ class StageProcessError(ChildFailed):
 class ProcessPool:
     """K stage processes on this machine, one per stage, meeting over gloo on loopback. `device`
     says where every stage computes: "cpu" (the default, whatever the host has), or "cuda" (stage
-    k on GPU k mod the GPUs visible; values cross through host memory, since the group is gloo).
+    k on GPU k mod the GPUs visible; payloads cross over NCCL when every stage has a GPU of its own,
+    else through host memory).
     `spin` is how many seconds a stage waiting on the shared-memory lane polls before it sleeps;
     None lets the lane decide (engine/distributed/shm_lane.py: only where every stage has a core)."""
 
@@ -218,7 +219,9 @@ class StageServer:
         # "cuda": the GPU of this rank of the pool (cuda:rank mod count), never a LOCAL_RANK inherited from a
         # torchrun worker that started the pool (every stage would land on that worker's GPU)
         self.rank, self.threads, self.device = rank, threads, spread(device, size)[rank]
-        join(store, rank, size, timeout=START_SECONDS)
+        # stages on GPUs send their payloads over NCCL where each has a GPU of its own (the lane decides)
+        nccl = torch.device(self.device).type == "cuda" and torch.distributed.is_nccl_available()
+        join(store, rank, size, timeout=START_SECONDS, backend="cpu:gloo,cuda:nccl" if nccl else "gloo")
         self.pipe, self.optimizer = None, None
         self.tell = None  # set by children.serve: sends the parent a note while a command runs
 
