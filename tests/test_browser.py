@@ -12,7 +12,9 @@ from pathlib import Path
 
 import pytest
 
+from engine.distributed.local import loopback_interface
 from launch import children
+from listeners import beyond_loopback, descendants, listening
 
 ROOT = Path(__file__).resolve().parent.parent
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
@@ -29,13 +31,14 @@ def free_port() -> int:
 
 @contextmanager
 def streamlit_server(log_path: Path):
-    """A freshly started `streamlit run app.py` on a free loopback port: yields its URL; on exit it
-    is stopped, and no stage process it made may outlive it."""
+    """A freshly started `streamlit run app.py` on a free port, its address (loopback) from the
+    project's .streamlit/config.toml as the README starts it: yields its URL; on exit it is stopped,
+    and no stage process it made may outlive it."""
     port = free_port()
     log = open(log_path, "w")
     process = subprocess.Popen(
         [sys.executable, "-m", "streamlit", "run", str(ROOT / "app.py"), "--server.headless", "true",
-         "--server.address", "127.0.0.1", "--server.port", str(port), "--browser.gatherUsageStats", "false"],
+         "--server.port", str(port), "--browser.gatherUsageStats", "false"],
         cwd=ROOT, stdout=log, stderr=log)
     url = f"http://127.0.0.1:{port}"
     try:
@@ -250,6 +253,25 @@ def test_app_renders_and_the_m_slider_redraws_the_gantt(server, tmp_path):
         page.screenshot(path=str(tmp_path / "app-m11.png"))
         if os.environ.get("GPIPE_LAB_SCREENSHOT"):  # how docs/app.png was made
             shutil.copy(tmp_path / "app-m11.png", os.environ["GPIPE_LAB_SCREENSHOT"])
+
+
+@pytest.mark.timeout(240)
+def test_the_server_and_every_process_it_started_listen_on_loopback_only(server):
+    """With the page loaded and its stage processes running, no socket of the server or of a
+    process it started listens where another machine could reach it; the stage processes' gloo
+    is bound to the loopback interface even where the host name resolves to a network address."""
+    server, _ = server
+    [streamlit] = [pid for pid in children(os.getpid()) if b"streamlit" in Path(f"/proc/{pid}/cmdline").read_bytes()]
+    with chromium() as browser:
+        page = browser.new_page()
+        page.goto(server)
+        page.wait_for_function(FINAL_GANTT_READY, timeout=120_000)
+        started = descendants(streamlit)
+        sockets = listening([streamlit, *started])
+    assert started and {pid for pid, _, _ in sockets} == {streamlit, *started}, sockets  # all seen listening
+    assert not beyond_loopback(sockets), beyond_loopback(sockets)
+    for pid in started:
+        assert f"GLOO_SOCKET_IFNAME={loopback_interface()}".encode() in Path(f"/proc/{pid}/environ").read_bytes()
 
 
 @pytest.mark.timeout(300)

@@ -1,19 +1,20 @@
 """python -m lab.doctor as a user runs it first on a new host: a table of checks and an exit code."""
 import dataclasses
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
 from lab import doctor
+from listeners import beyond_loopback, run_watching_sockets
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def test_the_doctor_passes_every_row_on_this_host_within_a_minute():
-    done = subprocess.run([sys.executable, "-m", "lab.doctor"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+def test_the_doctor_passes_every_row_on_this_host_within_a_minute_listening_on_loopback_only():
+    done, sockets = run_watching_sockets([sys.executable, "-m", "lab.doctor"], timeout=120, cwd=ROOT)
     print(done.stdout)
+    assert sockets and not beyond_loopback(sockets), sockets  # its stage processes and all-reduce members
     assert done.returncode == 0, done.stdout + done.stderr
     rows = [line for line in done.stdout.splitlines() if line[31:36].strip() in ("pass", "FAIL")]
     assert len(rows) >= 6 and all(line[31:35] == "pass" for line in rows), done.stdout

@@ -13,6 +13,7 @@ from torch import nn
 
 from conftest import mlp, pair_model
 from launch import children
+from listeners import beyond_loopback, listening
 from lab.launch import two_nodes
 from engine import GPipe
 from engine.distributed.pool import ProcessPool, StageProcessError
@@ -214,6 +215,21 @@ def test_a_rank_killed_on_another_node_is_raised_by_the_survivor_within_15_secon
 
 
 @pytest.mark.timeout(120)
+def test_a_pool_listens_on_loopback_only(pools, batch):
+    """Nothing of a ProcessPool listens where another machine could reach it: its stage processes
+    meet at a Store in a file of a private folder (a TCPStore listened on every interface) and bind
+    gloo to loopback, also on its gloo lane."""
+    before = listening([os.getpid()])
+    pool = pools(2, "gloo")
+    pool.build("conftest:mlp", {}, chunks=4)
+    pool.step(*batch, LOSS)
+    sockets = listening([os.getpid(), *pool.pids])
+    assert {pid for pid, _, _ in sockets} == set(pool.pids) and listening([os.getpid()]) == before, sockets
+    assert not beyond_loopback(sockets), sockets
+    assert os.stat(pool._meeting.folder).st_mode & 0o777 == 0o700
+
+
+@pytest.mark.timeout(120)
 @pytest.mark.parametrize("lane", ["shm", "gloo"])
 def test_a_pool_closes_without_waiting_out_a_timeout(batch, lane):
     """Closing ends the lane's threads as soon as the goodbyes are through: a sender thread that
@@ -225,6 +241,7 @@ def test_a_pool_closes_without_waiting_out_a_timeout(batch, lane):
     start = time.monotonic()
     pool.close()
     assert time.monotonic() - start < 3, f"closing took {time.monotonic() - start:.1f} s"
+    assert not os.path.exists(pool._meeting.folder), "the pool's Store goes with it"
 
 
 @pytest.mark.timeout(120)
