@@ -288,6 +288,15 @@ class Formula:
     def where(self, case: tuple) -> str:
         return ", ".join(f"{name}={value:g}" for name, value in zip(self.names, case))
 
+    def as_check(self, name: str, doc: str, praise: str) -> Callable[[Callable], str]:
+        """The check a lesson calls: `praise` for a right function, else the judge's feedback."""
+        def judge(fn: Callable) -> str:
+            self.judge(fn)
+            return praise
+        judge.__name__ = judge.__qualname__ = name
+        judge.__doc__ = doc
+        return _exercise(judge)
+
 
 def _safely(fn: Callable[..., float], case: tuple) -> Optional[float]:
     """A mistake's value on a case, or None where it has none (a division by zero)."""
@@ -321,7 +330,8 @@ IDEAL_SPEEDUP = Formula(
 IN_FLIGHT = Formula(
     ("K", "k"), tuple((stages, stage) for stages in (1, 2, 4, 8) for stage in range(stages)),
     lambda stages, stage: theory.peak_in_flight("1f1b", stages, 64, stage),
-    (("one less held", lambda stages, stage: stages - 1 - stage), ("counted from the end", lambda stages, stage: stage + 1),
+    (("one less held", lambda stages, stage: stages - 1 - stage),
+     ("counted from the end", lambda stages, stage: stage + 1),
      ("same on every stage", lambda stages, stage: stages)),
     hint="the fill takes K-1-k forwards, then one forward and one backward alternate")
 BOUNDARY_BYTES = Formula(
@@ -330,46 +340,24 @@ BOUNDARY_BYTES = Formula(
     hint="activations forward and gradients back, N samples each way", symmetric=True)
 
 
-@_exercise
-def check_training_bytes(fn: Callable[[int], float]) -> str:
-    """fn(parameters): bytes a float32 model with Adam keeps besides activations."""
-    TRAINING_BYTES.judge(fn)
-    return "✓ 16 bytes per parameter: weights, gradients and Adam's two moments, 4 bytes each"
-
-
-@_exercise
-def check_naive_bubble(fn: Callable[[int], float]) -> str:
-    """fn(K): the idle share of K stages running one micro-batch (M = 1)."""
-    NAIVE_BUBBLE.judge(fn)
-    return "✓ (K-1)/K: with M = 1 only one stage works at a time"
-
-
-@_exercise
-def check_bubble(fn: Callable[[int, int], float]) -> str:
-    """fn(K, M): the bubble of GPipe's fill-drain schedule."""
-    BUBBLE.judge(fn)
-    return "✓ (K-1)/(M+K-1): K-1 idle slots of fill and drain out of M+K-1"
-
-
-@_exercise
-def check_ideal_speedup(fn: Callable[[int, int], float]) -> str:
-    """fn(K, M): throughput over one device with equal stages, free transfers and no recompute."""
-    IDEAL_SPEEDUP.judge(fn)
-    return "✓ K·M/(M+K-1): K devices times the busy share, the unit-cost ideal without recompute"
-
-
-@_exercise
-def check_in_flight(fn: Callable[[int, int], int]) -> str:
-    """fn(K, k): micro-batches stage k holds at most under 1F1B (M >= K)."""
-    IN_FLIGHT.judge(fn)
-    return "✓ K-k: the first stage holds K micro-batches, the last one only one (GPipe holds all M)"
-
-
-@_exercise
-def check_boundary_bytes(fn: Callable[[int, float], float]) -> str:
-    """fn(N, bytes_per_sample): bytes crossing one cut between stages in one training step."""
-    BOUNDARY_BYTES.judge(fn)
-    return "✓ 2·N·(bytes per sample): activations forward, gradients back, whatever M is"
+check_training_bytes = TRAINING_BYTES.as_check(
+    "check_training_bytes", "fn(parameters): bytes a float32 model with Adam keeps besides activations.",
+    "✓ 16 bytes per parameter: weights, gradients and Adam's two moments, 4 bytes each")
+check_naive_bubble = NAIVE_BUBBLE.as_check(
+    "check_naive_bubble", "fn(K): the idle share of K stages running one micro-batch (M = 1).",
+    "✓ (K-1)/K: with M = 1 only one stage works at a time")
+check_bubble = BUBBLE.as_check(
+    "check_bubble", "fn(K, M): the bubble of GPipe's fill-drain schedule.",
+    "✓ (K-1)/(M+K-1): K-1 idle slots of fill and drain out of M+K-1")
+check_ideal_speedup = IDEAL_SPEEDUP.as_check(
+    "check_ideal_speedup", "fn(K, M): throughput over one device with equal stages, free transfers and no recompute.",
+    "✓ K·M/(M+K-1): K devices times the busy share, the unit-cost ideal without recompute")
+check_in_flight = IN_FLIGHT.as_check(
+    "check_in_flight", "fn(K, k): micro-batches stage k holds at most under 1F1B (M >= K).",
+    "✓ K-k: the first stage holds K micro-batches, the last one only one (GPipe holds all M)")
+check_boundary_bytes = BOUNDARY_BYTES.as_check(
+    "check_boundary_bytes", "fn(N, bytes_per_sample): bytes crossing one cut between stages in one training step.",
+    "✓ 2·N·(bytes per sample): activations forward, gradients back, whatever M is")
 
 
 def _listed(value, what: str) -> list:
@@ -683,8 +671,8 @@ def check_plan(choice: dict, rows: list[dict]) -> str:
         raise Feedback(f"{dict(zip(PLAN_KEYS, setting))}: {SAYS['plan not in table']}")
     time = "time vs one device (theory)"
     if not row["fits (predicted)"]:
-        raise Feedback(f"{dict(zip(PLAN_KEYS, setting))} is predicted at {row['predicted bytes (most loaded stage)']:,} "
-                       f"bytes on its most loaded stage: {SAYS['over budget']}")
+        raise Feedback(f"{dict(zip(PLAN_KEYS, setting))} is predicted at "
+                       f"{row['predicted bytes (most loaded stage)']:,} bytes on its most loaded stage: {SAYS['over budget']}")
     best = min((r for r in rows if r["fits (predicted)"]), key=lambda r: r[time])
     if row[time] > 1.05 * best[time]:
         reasons = [SAYS["more stages"]] if best["K"] > row["K"] else []

@@ -180,7 +180,7 @@ def peak_in_flight(schedule: str, stages: int, micro_batches: int, stage: int, v
     """Most micro-batches whose activations stage `stage` holds at once (forward done, backward or,
     for zb-h1, weight gradient not yet), counted in whole stages' worth: an interleaved chunk holds
     1/v of its stage's layers. gpipe: M. 1f1b: K-k. interleaved: Megatron's fill of 2(K-1-k) + (v-1)K
-    chunk forwards, plus one, over v. zb-h1: K on every stage, the bound of 1F1B's first stage."""
+    chunk forwards, plus one, over v. zb-h1: K on every stage, as many as 1F1B's first stage holds."""
     if schedule == "gpipe":
         return float(micro_batches)
     if schedule == "1f1b":

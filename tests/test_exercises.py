@@ -2,7 +2,6 @@
 torch), reject every mutation of the reference answers with the sentence of its mistake's family,
 and never raise, whatever they are given."""
 import fractions
-import math
 from itertools import accumulate
 
 import numpy as np
