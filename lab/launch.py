@@ -15,7 +15,12 @@ import time
 from pathlib import Path
 from typing import Callable, Optional
 
+from engine.distributed.local import loopback_interface
+
 ROOT = Path(__file__).resolve().parent.parent
+# Every agent and worker started here runs on this host: their gloo binds to the loopback interface
+# (torchrun's own Store still listens on every interface while it runs: README, "Security").
+ON_LOOPBACK = {"GLOO_SOCKET_IFNAME": loopback_interface()}
 
 
 def free_port() -> int:
@@ -30,7 +35,7 @@ def agent_command(script_args: list[str], port: int, rdzv_id: str, node_rank: Op
     """The torchrun command of one of two agents ("nodes") of `per_node` processes each."""
     rank = [] if node_rank is None else ["--node-rank", str(node_rank)]
     return [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", str(per_node), *rank,
-            *agent_args,
+            *agent_args, "--local-addr", "127.0.0.1",
             "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", rdzv_id, *script_args]
 
 
@@ -45,7 +50,7 @@ def two_nodes(script_args: list[str], rdzv_id: str, timeout: float, done: Callab
     logs = [tempfile.TemporaryFile("w+") for _ in range(2)]
     command = agent_command(script_args, port, rdzv_id, per_node=per_node, agent_args=agent_args)
     nodes = [subprocess.Popen(command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, text=True,
-                              start_new_session=True, env={**os.environ, **(env or {})}) for log in logs]
+                              start_new_session=True, env={**os.environ, **ON_LOOPBACK, **(env or {})}) for log in logs]
     try:
         deadline = time.monotonic() + timeout
         while not done() and any(node.poll() is None for node in nodes) and time.monotonic() < deadline:
@@ -86,7 +91,8 @@ def train_on_this_host(train_args: list[str], processes: int, timeout: float = 1
         path = Path(folder) / "trace.json"
         command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(processes),
                    "-m", "lab.train", *train_args, "--trace-out", str(path)]
-        done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+        done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=timeout,
+                              env={**os.environ, **ON_LOOPBACK})
         if not path.exists():
             raise RuntimeError(f"the run wrote no trace (exit code {done.returncode}):\n{done.stdout}\n"
                                f"{done.stderr[-3000:]}")

@@ -4,5 +4,6 @@
 - transport.py: `ProcessTransport`, the thread transport's calls over torch.distributed;
 - runner.py: `RankRunner`, one rank's share of a call (GPipe(..., group=...) uses it);
 - children.py, child.py: child processes that run engine code only, whatever the parent is;
+- local.py: how the processes one process starts on this host meet, with no socket beyond loopback;
 - pool.py: `ProcessPool`, K local stage processes driven from one process (the lab, notebooks).
 """

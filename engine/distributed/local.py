@@ -42,12 +42,12 @@ def loopback_interface(net: str = "/sys/class/net") -> str:
 class Meeting:
     """Where a group of local processes meets: a torch.distributed FileStore in a folder only this
     user can enter, removed by `close()` or when this process exits. `env` is what each member's
-    environment needs (gloo's device on the loopback interface)."""
+    environment needs (gloo's device, and NCCL's bootstrap, on the loopback interface)."""
 
     def __init__(self):
         self.folder = tempfile.mkdtemp(prefix="gpipe-store-")  # mode 0700
         self.path = os.path.join(self.folder, "store")
-        self.env = {"GLOO_SOCKET_IFNAME": loopback_interface()}
+        self.env = dict.fromkeys(("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"), loopback_interface())
         self._finalizer = weakref.finalize(self, shutil.rmtree, self.folder, ignore_errors=True)
 
     def close(self) -> None:
