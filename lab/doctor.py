@@ -327,9 +327,9 @@ LOSS_TOLERANCE = 1e-4  # relative, a few float32 Adam steps on different GPUs an
 
 def nccl_two_gpus() -> str:
     """Two ranks of `lab.train --device cuda` under torchrun, one GPU each, against the same steps as
-    two stage threads: the pipeline's group must be NCCL, NCCL must have made communicators (only
-    the lane's payloads use NCCL: NCCL_DEBUG=INFO says when it makes one), messages must have
-    crossed, and the losses must agree."""
+    two stage threads: the pipeline's group must be NCCL and its lane carry payloads on NCCL (the
+    trace's lane "gloo+nccl"), NCCL must have made communicators (only the lane's payloads use NCCL:
+    NCCL_DEBUG=INFO says when it makes one), messages must have crossed, and the losses must agree."""
     train = ["-m", "lab.train", "--steps", "3", "--log-every", "1", "--device", "cuda"]
     with tempfile.TemporaryDirectory() as folder:
         reference, ranks = Path(folder) / "threads.json", Path(folder) / "nccl.json"
@@ -340,15 +340,17 @@ def nccl_two_gpus() -> str:
         expected, got = (json.loads(path.read_text()) for path in (reference, ranks))
     communicators = out.count("Init COMPLETE")
     assert got["backend"] == "nccl", f"the pipeline's group is {got['backend']}, not NCCL"
+    assert "nccl" in got["lane"], f"the pipe's lane is {got['lane']!r}: payloads went through host memory"
     assert communicators, "NCCL made no communicator: the payloads did not go over NCCL"
     assert got["messages"], "no message crossed between the ranks"
     apart = max(abs(a - b) / abs(b) for a, b in zip(got["losses"], expected["losses"]))
     assert apart <= LOSS_TOLERANCE, f"losses {got['losses']} over NCCL, {expected['losses']} as threads"
-    return (f"torchrun, 2 ranks, one GPU each: group {got['backend']}, {communicators} NCCL communicator(s) made, "
-            f"{len(got['messages'])} messages; losses within {apart:.0e} of two stage threads")
+    return (f"torchrun, 2 ranks, one GPU each: group {got['backend']}, lane {got['lane']}, {communicators} NCCL "
+            f"communicator(s) made, {len(got['messages'])} messages; losses within {apart:.0e} of two stage threads")
 
 
 def reproduce_on_cuda() -> str:
+    """lab.reproduce speedup and memory --device cuda --quick run to the end and write their files."""
     with tempfile.TemporaryDirectory() as out:
         run_module(["-m", "lab.reproduce", "speedup", "--device", "cuda", "--quick", "--out", out], timeout=300)
         run_module(["-m", "lab.reproduce", "memory", "--device", "cuda", "--quick", "--out", out], timeout=300)

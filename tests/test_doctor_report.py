@@ -54,3 +54,34 @@ def test_each_part_is_bounded_says_its_exit_status_and_leaves_no_process(tmp_pat
     assert not spent.passed and spent.status.startswith("skipped: the report's")
     text = doctor.report_text([("python", sys.version.split()[0])], [], [], [done, failed, stopped, spent], 3.0)
     assert "SOMETHING FAILED" in text and "| fails | exit status 3 |" in text and "```text\noops\n```" in text
+
+
+def fake_train_runs(monkeypatch, lane="gloo+nccl", communicators=4, drift=0.0):
+    """lab.train's two runs as the NCCL row reads them: the threads' trace, then the ranks' trace
+    and output (faked: they need two GPUs)."""
+    import json
+
+    def run_module(args, timeout, env=None):
+        path = args[args.index("--trace-out") + 1]
+        ranks = "torch.distributed.run" in args
+        losses = [1.5 * (1 + drift), 1.4] if ranks else [1.5, 1.4]
+        with open(path, "w") as f:
+            json.dump({"backend": "nccl" if ranks else None, "lane": lane if ranks else "", "losses": losses,
+                       "messages": [{"kind": "act"}] * 6 if ranks else []}, f)
+        return "NCCL INFO comm 0x1 rank 0 nranks 2 - Init COMPLETE\n" * communicators if ranks else ""
+    monkeypatch.setattr(doctor, "run_module", run_module)
+
+
+def test_the_nccl_row_wants_nccl_to_have_carried_the_payloads_and_equal_losses(monkeypatch):
+    fake_train_runs(monkeypatch)
+    assert "lane gloo+nccl, 4 NCCL communicator(s) made, 6 messages" in doctor.nccl_two_gpus()
+    for change, words in (({"lane": "gloo"}, "payloads went through host memory"),
+                          ({"communicators": 0}, "NCCL made no communicator"),
+                          ({"drift": 1e-3}, "over NCCL")):
+        fake_train_runs(monkeypatch, **change)
+        try:
+            doctor.nccl_two_gpus()
+        except AssertionError as error:
+            assert words in str(error), (change, error)
+        else:
+            raise AssertionError(f"passed with {change}")
