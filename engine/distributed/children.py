@@ -16,6 +16,10 @@ attribute, which becomes a function that sends the parent notes while a command 
 arrives in the parent with its own type and message (the child's traceback attached as a note);
 a child that dies, or stays silent past the timeout, raises ChildFailed. Children end with their
 parent: each watches for it to be gone and stops when its connection closes.
+
+Parent and child talk in pickle over a socket pair that the child inherits: it has no name and no
+address, so only the two of them can write to it. What children send each other as ranks of a
+process group is never pickled (engine/distributed/wire.py).
 """
 from __future__ import annotations
 
