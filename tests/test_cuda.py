@@ -2,11 +2,14 @@
 Skipped without CUDA. Stages on several streams agree within lab.doctor.GPU_TOLERANCE of the largest
 gradient, not bit for bit (cuBLAS does not promise that across streams); traces across GPUs are in
 order within the measured skew of the GPUs' time origins (lab.doctor.origin_skew)."""
+import time
+
 import pytest
 import torch
 from torch import nn
 
 from engine import GPipe
+from engine.device import StageDevice, pinned
 from conftest import grads, mlp
 from lab.doctor import GPU_TOLERANCE, out_of_order, relative_difference, trace_slack
 
@@ -88,3 +91,45 @@ def test_a_pool_started_with_a_local_rank_puts_stage_k_on_gpu_k(monkeypatch):
         pool.step(x, y, LOSS)
         placed = {e.stage: e.device for e in pool.trace.events}
     assert placed == {0: "cuda:0", 1: "cuda:1"}
+
+
+def test_host_batches_are_pinned_on_a_gpu_host():
+    assert pinned(torch.randn(4, 3), ["cuda"]).is_pinned()
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
+def test_a_copy_into_a_gpu_waits_for_nothing_else_queued_there():
+    """A stage's activation reaches the next GPU while that GPU's default stream is still busy (it
+    used to wait for it, and so for every earlier copy into that GPU)."""
+    sender = StageDevice(torch.device("cuda", 0), 1)
+    sender.start(time.perf_counter(), None)
+    with torch.cuda.device(1):
+        torch.cuda._sleep(int(3e9))                # seconds of work on cuda:1's default stream
+    with sender.enter():
+        value = torch.arange(4.0, device="cuda:0")
+        moved, ready = sender.send(value, torch.device("cuda", 1))
+    start = time.perf_counter()
+    ready.synchronize()
+    assert time.perf_counter() - start < 0.5 and moved.device == torch.device("cuda", 1)
+    torch.cuda.synchronize(1)
+    assert torch.equal(moved.cpu(), torch.arange(4.0))
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
+def test_stage_processes_on_two_gpus_send_payloads_over_nccl():
+    from engine.distributed.pool import ProcessPool
+    x, y = torch.randn(8, 16), torch.randint(0, 4, (8,))
+    with ProcessPool(2, timeout=120, device="cuda") as pool:
+        pool.build("lab.models:build", dict(name="mlp", blocks=4, width=16), chunks=4)
+        loss = pool.step(x, y[:, None].float().expand(8, 16), torch.nn.functional.mse_loss)
+        assert pool.trace.lane == "gloo+nccl" and torch.isfinite(loss)
+
+
+def test_the_gpu_table_is_sized_until_the_gpu_sets_the_pace():
+    """The quick GPU table's sizing on this GPU: it measures each rung, and what it chose either
+    meets the target on every stage or is the last rung that fit (its header says which)."""
+    from lab import speedup
+    sizing = speedup.gpu_sizing(quick=True)
+    assert sizing.tried and len(sizing.ratios) == 8 and all(r > 0 for r in sizing.ratios)
+    assert min(sizing.ratios) >= speedup.GPU_TARGET or sizing.config.width == sizing.tried[-1][0] or \
+        sizing.tried[-1][2] == "out of memory"
