@@ -2,6 +2,7 @@
 and a shared-memory lane that names the failure behind a message it cannot read, never a path."""
 import os
 import pickle
+import queue
 import threading
 import uuid
 
@@ -113,3 +114,15 @@ def test_a_segment_gone_without_a_failure_is_a_malformed_message_named_by_its_se
     sender.post(1, 0, "act", 0, 0, wire.NO_DECISION, torch.ones(2))  # the lane reads on
     [arrival] = receive_all(receiver)
     assert torch.equal(arrival.tensors[0], torch.ones(2))
+
+
+def test_a_garbled_gloo_frame_names_its_sender_and_its_receive_is_posted_again():
+    from types import SimpleNamespace
+    from engine.distributed.gloo_lane import GlooLane
+    lane = GlooLane.__new__(GlooLane)  # only its queue of arrived frames: no group needed to read one
+    lane._events, reposted = queue.SimpleQueue(), []
+    link = SimpleNamespace(peer=2, views=[np.full(64, 7, dtype=np.uint8)], repost=reposted.append)
+    lane._events.put((link, 0))
+    with pytest.raises(wire.Malformed, match="^a message from rank 2 over gloo cannot be read: a header of"):
+        lane.receive(0.1)
+    assert reposted == [0], "the next frame still has a receive posted for it"

@@ -124,7 +124,8 @@ class GlooLane:
 
     def receive(self, timeout: float) -> list[Arrival]:
         """The next message that arrived, read on the calling (stage) thread; [] after `timeout`
-        seconds without one. Raises Lost if a connection broke."""
+        seconds without one. Raises Lost if a connection broke, Malformed (naming the sender) for a
+        frame that is not one `wire.encode` wrote."""
         try:
             link, slot, *peer = self._events.get(timeout=timeout)
         except queue.Empty:
@@ -132,9 +133,13 @@ class GlooLane:
         if link is None:  # a listener or the sender lost its connection: `slot` is the error
             raise Lost(peer[0], slot)
         start = time.perf_counter()
-        header = wire.decode_header(link.views[slot])
-        tensors = wire.tensors_in(link.views[slot], header.size, header) if header.inline else None
-        link.repost(slot)
+        try:
+            header = wire.decode_header(link.views[slot])
+            tensors = wire.tensors_in(link.views[slot], header.size, header) if header.inline else None
+        except wire.Malformed as error:
+            raise wire.Malformed(f"a message from rank {link.peer} over gloo cannot be read: {error}") from None
+        finally:
+            link.repost(slot)
         home = lands_on(header.kind, self.device)
         ready = None
         if tensors is None:
