@@ -40,6 +40,7 @@ from ..schedule import owner
 from ..transport import StageFailed
 
 POLL_SECONDS = 0.05                            # how often a waiting rank looks for failures elsewhere
+NOTE_CHARS = 2000                              # the longest failure note a rank posts or reads (text only)
 LANES = ("auto", "shm", "gloo")
 _serials = itertools.count()                   # pipes made in this process: the same order on every rank
 
@@ -270,10 +271,11 @@ class ProcessTransport:
     # --- failures ------------------------------------------------------------------------------
 
     def report_failure(self, description: str) -> None:
-        """Tell every rank that this rank's part of the current call failed (the first report stays)."""
+        """Tell every rank that this rank's part of the current call failed (the first report stays),
+        in a note of plain text."""
         self.lane.abandon()
         try:
-            self.shared.compare_set(f"failed/{self.step}", "", description)
+            self.shared.compare_set(f"failed/{self.step}", "", description[:NOTE_CHARS])
         except Exception:  # the store is gone too: every rank will notice that by itself
             pass
 
@@ -282,7 +284,7 @@ class ProcessTransport:
         try:
             for key in ("broken", f"failed/{self.step}"):
                 if self.shared.check([key]):
-                    raise StageFailed(self.shared.get(key).decode())
+                    raise StageFailed(self.shared.get(key)[:4 * NOTE_CHARS].decode(errors="replace")[:NOTE_CHARS])
         except StageFailed:
             self.lane.abandon()
             raise
