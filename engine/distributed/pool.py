@@ -67,7 +67,8 @@ class ProcessPool:
             self._children = Children("engine.distributed.pool:StageServer",
                                       [(rank, stages, self._meeting.path, threads_per_stage, keep_freed_memory, device)
                                        for rank in range(stages)], name="stage", timeout=timeout,
-                                      env={**self._meeting.env, "GPIPE_SHM_PREFIX": self._shm_prefix, "GPIPE_LANE": lane,
+                                      env={**self._meeting.env, "GPIPE_SHM_PREFIX": self._shm_prefix,
+                                           "GPIPE_LANE": lane,
                                            **({} if spin is None else {"GPIPE_SPIN_SECONDS": repr(float(spin))})})
             self._ask([("ready", ())] * stages, timeout=START_SECONDS)
         except BaseException:
