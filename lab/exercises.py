@@ -723,9 +723,11 @@ def check_layout(choice: tuple, plan) -> str:
     if (stages, replicas) == plan.best() and replicas != stages:
         raise Feedback(f"{replicas} x {stages}: {SAYS['layout swapped']}")
     if not row["fits"]:
+        states = 16 * plan.params / stages / 1e9
         raise Feedback(f"{replicas} x {stages} needs {row['GB per worker']} GB per worker, more than the "
-                       f"{plan.memory / 1e9:.0f} GB each has: the model's states alone are 16 bytes x "
-                       f"{plan.params / 1e9:.0f}B parameters over {stages} stage(s)")
+                       f"{plan.memory / 1e9:.0f} GB each has: {states:.1f} GB of model states (16 bytes per parameter "
+                       f"over {stages} stage(s)) and {row['GB per worker'] - states:.1f} GB of activations and kept "
+                       f"inputs")
     if row["step s"] > best["step s"] + 1e-9:
         why = (f"more replicas at this global batch leave each fewer micro-batches, but fewer stages too: the "
                f"fill and drain shrink by more than the all-reduce ({best['all-reduce s']} s) costs"
