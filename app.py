@@ -13,8 +13,8 @@ import streamlit as st
 
 from lab import charts, replay, theory  # these and lab.config load without torch: see open_page
 from lab.config import (APP_DEFAULT, BALANCES, MEASURE_WARMUP, MODEL_CARDS, PAGE_BATCHES, PAGE_BLOCKS, PAGE_MICRO,
-                        PAGE_SEED, PAGE_STAGES, PAGE_VIRTUAL, PAGE_WIDTHS, SCHEDULE_ORDER, RunConfig, check, check_page,
-                        measure_rounds, micro_batch_count, visible_gpus)
+                        PAGE_PINS, PAGE_SEED, PAGE_STAGES, PAGE_VIRTUAL, PAGE_WIDTHS, SCHEDULE_ORDER, RunConfig, check,
+                        check_page, measure_rounds, micro_batch_count, visible_gpus)
 
 RECOMPUTE = {"on, except the last micro-batch": "except_last", "on, every micro-batch": "always", "off": "never"}
 TRANSPORTS = {"processes": "one process per stage (torch.distributed, gloo)", "threads": "threads in this process"}
@@ -342,13 +342,16 @@ def show_compare(record: RunRecord, config: RunConfig) -> None:
         pinned.append((f"K={config.stages}, M={config.micro_batches}, {config.checkpoint}, {config.model}, "
                        f"{config.transport}" + ("" if config.schedule == "gpipe" else f", {config.schedule}"),
                        record))
+        del pinned[:-PAGE_PINS]
     if pinned and left.button("clear pins", key="clear_pins"):
         pinned.clear()
-    right.caption("Pin runs with different settings (say M = 1 and M = 16) to see them side by side.")
+    right.caption(f"Pin runs with different settings (say M = 1 and M = 16) to see them side by side (the last "
+                  f"{PAGE_PINS} are kept).")
     for start in range(0, len(pinned), 2):
-        for column, (label, pinned_record) in zip(st.columns(2), pinned[start:start + 2]):
+        for index, column, (label, pinned_record) in zip(range(start, start + 2), st.columns(2),
+                                                         pinned[start:start + 2]):
             column.plotly_chart(charts.gantt(replay.of_record(pinned_record, "measured"), title=label),
-                                key=f"pin-{start}-{label}")
+                                key=f"pin-{index}-{label}")  # the same run may be pinned twice
             column.caption(f"medians: bubble {pinned_record.spread('bubble')[0]:.0%} · step "
                            f"{pinned_record.spread('step')[0] * 1e3:.0f} ms · "
                            f"{pinned_record.spread('samples_per_second')[0]:,.0f} samples/s · speedup over K=1 "

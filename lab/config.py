@@ -92,6 +92,7 @@ PAGE_WIDTHS = {"mlp": (128, 256, 512, 1024), "transformer": (32, 64, 128), "cnn"
 PAGE_BATCHES = {"mlp": (4, 8, 16, 32, 64), "transformer": (4, 8, 16, 32), "cnn": (4, 8, 16, 32, 64)}
 PAGE_BLOCKS = {"mlp": 8, "transformer": 6, "cnn": 8}  # the most blocks
 PAGE_STAGES, PAGE_MICRO, PAGE_VIRTUAL, PAGE_SEED = 8, 64, (2, 4), 10_000  # the most K, M; v's range; the last seed
+PAGE_PINS = 8  # pinned runs a session keeps (the latest)
 
 
 def measure_rounds() -> int:

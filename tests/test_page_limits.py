@@ -4,7 +4,7 @@ import pytest
 
 from lab import config, experiments, processes
 from lab.config import APP_DEFAULT, check_page
-from test_app import app  # noqa: F401  (the fixture: a fresh server's page, nothing cached)
+from test_app import app, small  # noqa: F401  (the fixture: a fresh server's page, nothing cached)
 
 
 @pytest.fixture
@@ -51,3 +51,12 @@ def test_every_setting_beyond_a_control_is_refused(monkeypatch):
     monkeypatch.setenv("GPIPE_LAB_ROUNDS", str(config.MAX_ROUNDS + 1))
     with pytest.raises(ValueError, match=f"from 1 to {config.MAX_ROUNDS}"):
         config.measure_rounds()
+
+
+def test_a_session_keeps_the_last_pins_only(app):  # noqa: F811
+    app.run()
+    small(app, micro=2)
+    app.button(key="pin").click().run()
+    app.session_state["pinned"] = app.session_state["pinned"] * (config.PAGE_PINS + 4)
+    app.button(key="pin").click().run()
+    assert len(app.session_state["pinned"]) == config.PAGE_PINS and not app.exception
