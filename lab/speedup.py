@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Callable, Iterable, Iterator, Optional
 
-from . import replay
+from . import processes, replay
 from .experiments import (MEASURE_WARMUP, RunConfig, RunRecord, build, choose_balance, parallel_devices, pipeline,
                           run, solo_events)
 
@@ -122,22 +122,43 @@ def sized_for_gpu(start: RunConfig, quick: bool = False, stages: int = 8, micro:
     GPU time is GPU_TARGET times its host time at the table's hardest cell, K=`stages` (at most
     its layers) and M=`micro`, where tasks are smallest; a rung that runs out of memory there, or
     at K=1, M=1 (the whole batch at once), ends the climb at the rung before it."""
-    import torch
     chosen, ratios, tried = start, (), []
     for width, batch in GPU_LADDER_QUICK if quick else GPU_LADDER:
         candidate = start.but(width=width, batch=batch)
         try:
             found = tuple(probe(candidate.but(stages=min(stages, candidate.layers), micro_batches=micro)))
             probe(candidate.but(stages=1, micro_batches=1))
-        except torch.cuda.OutOfMemoryError:
+        except RuntimeError as error:  # torch.cuda.OutOfMemoryError, or cuBLAS failing to allocate
+            if not out_of_memory(error):
+                raise
             tried.append((width, batch, "out of memory"))
-            torch.cuda.empty_cache()
             break
+        finally:
+            free_gpu_memory()
         chosen, ratios = candidate, found
         tried.append((width, batch, found))
         if min(found) >= GPU_TARGET:
             break
     return Sizing(chosen, ratios, tuple(tried))
+
+
+def out_of_memory(error: BaseException) -> bool:
+    """Whether a GPU ran out of memory: the allocator's own error, or a library's (cuBLAS, cuDNN)
+    that failed to allocate its workspace."""
+    import torch
+    text = str(error)
+    return isinstance(error, torch.cuda.OutOfMemoryError) or "out of memory" in text or "ALLOC_FAILED" in text
+
+
+def free_gpu_memory() -> None:
+    """Give back what this process's CUDA allocator keeps cached (after the garbage that still holds
+    a failed step's tensors is gone), so that the next run, or a stage process, finds the GPU free."""
+    import gc
+
+    import torch
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 @dataclass(frozen=True)
@@ -162,7 +183,7 @@ class Cell:
         are mostly launching, why the cell is neither, as tables show it."""
         if self.how == "launch-bound":
             return (f"not measured: launch-bound (GPU busy {self.gpu_ratio:.1f}x the host's time per task, "
-                    f"{GPU_FLOOR:g}x needed)")
+                    f"{GPU_FLOOR:g}x needed, and K x for threads)")
         return f"measured ({self.transport})" if self.how == "measured" else self.how
 
 
@@ -173,13 +194,20 @@ def cell_ratio(record: RunRecord) -> Optional[float]:
     return min(stage_ratios(record.solo_events, record.stages))
 
 
+def gpu_floor(config: RunConfig) -> float:
+    """The GPU-over-host ratio under which a GPU cell is launch-bound: GPU_FLOOR, and for K stage
+    threads at least K, since they share one interpreter: K GPUs stay busy only if each task keeps
+    its GPU busy for as long as the K threads together take to issue their tasks."""
+    return max(GPU_FLOOR, config.stages) if config.transport == "threads" else GPU_FLOOR
+
+
 def throughput(record: RunRecord) -> tuple[float, str, float]:
     """(samples/s, how, bubble) of a record: measured if the host ran its stages at once, else
     replayed; on GPUs "launch-bound" (figures kept, not to be read as the GPU's) when its tasks
     are under GPU_FLOOR."""
     config = RunConfig(**record.config)
     ratio = cell_ratio(record)
-    if ratio is not None and ratio < GPU_FLOOR:
+    if ratio is not None and ratio < gpu_floor(config):
         line = replay.of_record(record, "ideal replay")
         return config.batch / line.makespan, "launch-bound", line.bubble
     if config.stages <= parallel_devices(config):
@@ -206,6 +234,9 @@ def measure_table(base: RunConfig, stages: Iterable[int] = (1, 2, 4, 8), micro: 
         for k in sorted(set([1] + stages)):
             if k > base.layers:
                 continue
+            if base.device == "cuda":  # every run finds the GPUs as free as the sizing found them
+                processes.shutdown_pool()
+                free_gpu_memory()
             if progress is not None:
                 progress(f"K={k}, M={m}")
             transport = base.transport if 1 < k <= parallel_devices(base) else "threads"

@@ -32,14 +32,12 @@ def test_nccl_is_found_however_the_group_was_made(monkeypatch, backend, config, 
 
 
 def test_nccl_only_when_every_rank_has_a_gpu_of_its_own():
-    two_gpus = [("host-a", "GPU-1"), ("host-a", "GPU-2")]
+    two_gpus = ["GPU-1", "GPU-2"]   # UUIDs: one per physical GPU, whatever index a rank sees it under
     assert use_nccl(["cuda", "cuda"], [True, True], two_gpus)
-    assert not use_nccl(["cuda", "cpu"], [True, True], [("host-a", "GPU-1"), ("host-a", "")])
+    assert not use_nccl(["cuda", "cpu"], [True, True], ["GPU-1", ""])
     assert not use_nccl(["cuda", "cuda"], [True, False], two_gpus)            # one group without NCCL
-    # two ranks of one machine on one GPU: NCCL would refuse them, the host path works
-    assert not use_nccl(["cuda", "cuda"], [True, True], [("host-a", "GPU-1"), ("host-a", "GPU-1")])
-    # the same identity on two machines is two GPUs
-    assert use_nccl(["cuda", "cuda"], [True, True], [("host-a", "GPU-1"), ("host-b", "GPU-1")])
+    # two ranks on one GPU (two containers included): NCCL would refuse them, the host path works
+    assert not use_nccl(["cuda", "cuda"], [True, True], ["GPU-1", "GPU-1"])
 
 
 class _NeverCompletes:
@@ -47,6 +45,9 @@ class _NeverCompletes:
 
     def is_completed(self):
         return False
+
+    def exception(self):
+        return None
 
     def wait(self):
         raise AssertionError("waited on a transfer that never completes")
@@ -199,3 +200,42 @@ def test_the_gpu_table_runs_a_process_per_gpu_where_there_are_two(monkeypatch):
         assert reproduce.speedup_transport(Namespace(device="cuda", transport=None)) == expected
     assert reproduce.speedup_transport(Namespace(device="cuda", transport="threads")) == "threads"
     assert reproduce.speedup_transport(Namespace(device="cpu", transport=None)) == "threads"
+
+
+def test_a_failed_nccl_receive_is_raised_naming_its_sender():
+    """NCCL marks a failed receive completed; its error is read and raised, naming the rank it was
+    to come from, instead of the stage computing on garbage."""
+    class Failed(_NeverCompletes):
+        def is_completed(self):
+            return True
+
+        def exception(self):
+            return RuntimeError("NCCL error: remote process exited")
+    transport = ProcessTransport.__new__(ProcessTransport)
+    transport.ranks, transport.step, transport._failure = Ranks(1, 3), 0, None
+    transport.lane, transport.shared = _lane_with_nccl_sends_in_flight(), dist.HashStore()
+    transport._arrived = {(0, "grad", 4, 1): ("value", [Failed()])}
+    with pytest.raises(StageFailed, match=r"\[rank 2, stage 2\] unreachable.*remote process exited"):
+        transport.receive(1, ("grad", 4, 1))
+
+
+def test_a_gpu_cell_is_launch_bound_under_k_for_threads():
+    from lab import speedup
+    from lab.config import RunConfig
+    assert speedup.gpu_floor(RunConfig(stages=8, transport="threads")) == 8
+    assert speedup.gpu_floor(RunConfig(stages=8, transport="processes")) == speedup.GPU_FLOOR
+    assert speedup.gpu_floor(RunConfig(stages=2, transport="threads")) == speedup.GPU_FLOOR
+
+
+def test_the_sizing_stops_at_a_library_that_cannot_allocate():
+    from lab import speedup
+
+    def cublas_fails(config):
+        if config.batch > 64:
+            raise RuntimeError("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling cublasCreate(handle)")
+        return [1.0] * config.stages
+    sizing = speedup.sized_for_gpu(speedup.gpu_start(quick=True), True, probe=cublas_fails)
+    assert (sizing.config.width, sizing.config.batch) == (1024, 64) and sizing.tried[-1][2] == "out of memory"
+    with pytest.raises(RuntimeError, match="not about memory"):
+        speedup.sized_for_gpu(speedup.gpu_start(quick=True, seed=5), True,
+                              probe=lambda config: (_ for _ in ()).throw(RuntimeError("not about memory")))

@@ -27,6 +27,7 @@ import queue
 import struct
 import threading
 import time
+from contextlib import nullcontext
 from typing import Optional
 
 import torch
@@ -71,6 +72,7 @@ class GlooLane:
         # posted: a two-rank communicator per edge (kind, sender, receiver) carries traffic one way
         # only, so no two ranks can both wait on sends posted first; headers go on gloo
         self.tensor_groups = edge_groups(pipelines, members, len(members), wraps) if nccl else {}
+        connect(self.tensor_groups, rank, device)
         self._events: queue.SimpleQueue = queue.SimpleQueue()  # (link, slot) or (None, error, peer)
         self._in_flight: collections.deque = collections.deque()  # (gloo works, NCCL works, buffers, peer) of sends
         # not yet reaped
@@ -144,8 +146,8 @@ class GlooLane:
         ready = None
         if tensors is None:
             tensors, ready = self._payload(link.peer, header, home)
-        elif home.type == "cuda":  # queued on this stage's stream, which the stage thread is under
-            tensors = [None if t is None else t.to(home, non_blocking=True) for t in tensors]
+        elif home.type == "cuda":
+            tensors, ready = to_gpu(tensors, home)
         return [Arrival(link.peer, header, tensors, ready, start, time.perf_counter())]
 
     def _payload(self, peer: int, header: wire.Header, home: torch.device) -> tuple[list, Optional[list]]:
@@ -171,7 +173,8 @@ class GlooLane:
         except Exception as error:
             raise Lost(peer, error) from None
         if home.type == "cuda":
-            tensors = [None if t is None else t.to(home, non_blocking=True) for t in tensors]
+            tensors, ready = to_gpu(tensors, home)
+            return wire.marked(tensors, header), ready
         return wire.marked(tensors, header), None
 
     def clock_offset(self, remote: list[int]) -> float:
@@ -307,6 +310,7 @@ def abort_group(group) -> None:
     except Exception:
         try:
             group.abort()
+            dist.destroy_process_group(group)
         except Exception:  # already gone
             pass
 
@@ -326,6 +330,18 @@ def lands_on(kind: str, device: torch.device) -> torch.device:
     """Where a received message's tensors belong: activations and gradients on the stage's device,
     control messages ("end" with the loss and trace, "done", "bye") on the host, where they are read."""
     return device if kind in ("act", "grad") else torch.device("cpu")
+
+
+def connect(edges: dict, rank: int, device: torch.device) -> None:
+    """Make NCCL's connections on every edge now, with one element sent along it, edge after edge in
+    one order for every rank (so no two ranks wait on each other): NCCL connects on first use, and
+    a peer that died then would leave a stage blocked where no abort reaches it."""
+    with torch.cuda.device(device) if device.type == "cuda" else nullcontext():
+        for (_, sender, _), (group, peer) in sorted(edges.items()):
+            probe = torch.zeros(1, device=device)
+            (group.send if sender == rank else group.recv)([probe], peer, 0).wait()
+        if edges:
+            torch.cuda.synchronize(device)
 
 
 def nccl_edges(size: int, wraps: bool) -> list[tuple[str, int, int]]:
@@ -350,6 +366,15 @@ def edge_groups(pipelines: list, members: list[int], size: int, wraps: bool) -> 
                 peer = pair[1] if pair[0] == me else pair[0]
                 mine[(kind, a, b)] = (group, sorted(pair).index(peer))
     return mine
+
+
+def to_gpu(tensors: list, home: torch.device) -> tuple[list, "torch.cuda.Event"]:
+    """Host tensors copied to GPU `home` on its current stream (the stage's, or the default one when
+    a message is read outside a task), and the event the stage's stream waits on before using them."""
+    moved = [None if t is None else t.to(home, non_blocking=True) for t in tensors]
+    ready = torch.cuda.Event()
+    ready.record(torch.cuda.current_stream(home))
+    return moved, ready
 
 
 def _on_cpu(value):

@@ -48,6 +48,8 @@ class Meeting:
         self.folder = tempfile.mkdtemp(prefix="gpipe-store-")  # mode 0700
         self.path = os.path.join(self.folder, "store")
         self.env = dict.fromkeys(("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"), loopback_interface())
+        # NCCL's watchdog would kill a stage process on a transfer error; the lane reports it instead
+        self.env["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = "0"
         self._finalizer = weakref.finalize(self, shutil.rmtree, self.folder, ignore_errors=True)
 
     def close(self) -> None:

@@ -222,6 +222,8 @@ class StageServer:
         self.rank, self.threads, self.device = rank, threads, spread(device, size)[rank]
         # stages on GPUs send their payloads over NCCL where each has a GPU of its own (the lane decides)
         nccl = torch.device(self.device).type == "cuda" and torch.distributed.is_nccl_available()
+        if torch.device(self.device).type == "cuda":  # NCCL's helpers and default streams on this GPU, not cuda:0
+            torch.cuda.set_device(self.device)
         join(store, rank, size, timeout=START_SECONDS, backend="cpu:gloo,cuda:nccl" if nccl else "gloo")
         self.pipe, self.optimizer = None, None
         self.tell = None  # set by children.serve: sends the parent a note while a command runs

@@ -114,7 +114,7 @@ class World:
     def uses_nccl(self) -> bool:
         """Whether payloads go over NCCL: every rank on a GPU with NCCL in its group, and no GPU
         shared by two ranks of one machine (NCCL refuses two ranks on one GPU; the host path works)."""
-        return use_nccl(self.device_types, self.nccl, [(self.clocks[r], gpu) for r, gpu in enumerate(self.gpus)])
+        return use_nccl(self.device_types, self.nccl, self.gpus)
 
     @classmethod
     def gather(cls, members: list[int], device: torch.device, group) -> "World":
@@ -126,9 +126,9 @@ class World:
                    [t[2] for t in told], [t[3] for t in told], [t[4] for t in told])
 
 
-def use_nccl(device_types: list[str], nccl: list[bool], gpus: list[tuple[str, str]]) -> bool:
+def use_nccl(device_types: list[str], nccl: list[bool], gpus: list[str]) -> bool:
     """The lane's choice of NCCL for payloads, from what every rank told (see World.uses_nccl):
-    `gpus` holds each rank's (machine, GPU identity)."""
+    `gpus` holds each rank's GPU identity."""
     return set(device_types) == {"cuda"} and all(nccl) and len(set(gpus)) == len(gpus)
 
 
@@ -148,16 +148,17 @@ def nccl_in(group) -> bool:
 
 
 def gpu_identity(device: torch.device) -> str:
-    """Which physical GPU `device` is (its UUID, else its PCI bus id), "" for a CPU: the same on
-    every rank that sees that GPU, whatever index CUDA_VISIBLE_DEVICES gives it there."""
+    """Which physical GPU `device` is, "" for a CPU: its UUID, the same on every rank and container
+    that sees that GPU, whatever index CUDA_VISIBLE_DEVICES gives it there (without one, this
+    machine's clock and the GPU's PCI location)."""
     if device.type != "cuda":
         return ""
     properties = torch.cuda.get_device_properties(device)
-    for name in ("uuid", "pci_bus_id"):
-        value = getattr(properties, name, None)
-        if value is not None:
-            return str(value)
-    return f"{socket.gethostname()}/{os.environ.get('CUDA_VISIBLE_DEVICES', '')}/{device.index}"
+    uuid_ = getattr(properties, "uuid", None)
+    if uuid_ is not None:
+        return str(uuid_)
+    return f"{_clock_id()}/{getattr(properties, 'pci_domain_id', 0)}:{getattr(properties, 'pci_bus_id', 0)}:" \
+           f"{getattr(properties, 'pci_device_id', device.index)}"
 
 
 @dataclass(frozen=True)
@@ -238,6 +239,12 @@ class ProcessTransport:
         that waited for a lost peer would stall this rank past every check."""
         value, works = self._get((self.step, *key))
         until_completed(works or [], self._check_receiving, every=POLL_SECONDS)
+        for work in works or []:  # a completed work may have failed: wait() would not say so on the host
+            if work.exception() is not None:
+                kind, _, chunk = key  # an activation comes from the chunk before, a gradient from the one after
+                sender = owner(chunk - 1 if kind == "act" else chunk + 1, self.ranks.size)
+                self._failure = self._lost(sender, work.exception())
+                raise self._failure
         return value, works
 
     def send(self, source: int, destination: int, key, value: Value) -> None:
