@@ -104,6 +104,8 @@ def main(argv=None) -> int:
         return 2
     pipeline, data_parallel, replica = None, None, 0
     if distributed:
+        # a failed neighbour is reported by the pipe on every rank; NCCL's watchdog would kill the process first
+        os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "0")
         dist.init_process_group("gloo")  # the world's group; the stages' groups get the backend chosen below
         backend = "gloo"
         if args.device == "cuda":
