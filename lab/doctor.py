@@ -292,6 +292,19 @@ def serial_alone() -> str:
     return f"{len(events)} tasks of a serial run, none overlapping another (within {slack * 1e6:.0f} us)"
 
 
+def gpu_sets_the_pace() -> str:
+    """The quick Table 2's Transformer, sized on this GPU (lab.speedup.sized_for_gpu): every stage's
+    GPU time per task at least GPU_FLOOR times the host's time issuing it, at K=8, M=32 (the
+    smallest tasks); the row shows the ratios and the size chosen."""
+    from lab import speedup
+    sizing = speedup.gpu_sizing(quick=True)
+    ratios = ", ".join(f"{r:.1f}" for r in sizing.ratios)
+    assert sizing.ratios and min(sizing.ratios) >= speedup.GPU_FLOOR, \
+        f"launch-bound even at its largest size: GPU over host time per stage {ratios} (tried {sizing.tried})"
+    return (f"quick Table 2 model sized to width {sizing.config.width}, batch {sizing.config.batch}: GPU time "
+            f"over host time per task, per stage at K=8, M=32: {ratios} (target {speedup.GPU_TARGET:g}x)")
+
+
 def bounded(args: list[str], seconds: float, env: Optional[dict] = None) -> tuple[Optional[int], str]:
     """Run `python args...` in the project for at most `seconds`, then stop it and everything it
     started (torchrun's workers, stage processes); its exit code (None if it ran out of time) and
@@ -370,7 +383,8 @@ GPU_ROWS: dict[str, Check] = {"one GPU: K=1, 2, 3": one_gpu_every_k,
                               "trace order, GPU": trace_in_order("cuda"),
                               "hop GPU to CPU": hop_to_host,
                               "serial timing, GPU": serial_alone,
-                              "processes on GPUs": processes_equal_threads(device="cuda")}
+                              "processes on GPUs": processes_equal_threads(device="cuda"),
+                              "Table 2 sized for the GPU": gpu_sets_the_pace}
 
 
 class Failed(Exception):
