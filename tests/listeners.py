@@ -58,7 +58,7 @@ def beyond_loopback(sockets) -> list[tuple[int, str, int]]:
 
 
 def run_watching_sockets(command: list[str], timeout: float, **options) -> tuple[subprocess.CompletedProcess, set]:
-    """Run `command` to its end (at most `timeout` seconds, then it is killed), looking every 50 ms
+    """Run `command` to its end (at most `timeout` seconds, then it is killed), looking every 0.1 s
     at the sockets it and its descendants listen on; returns its result and every socket seen."""
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **options)
     seen = set()
@@ -66,7 +66,7 @@ def run_watching_sockets(command: list[str], timeout: float, **options) -> tuple
     try:
         while process.poll() is None and time.monotonic() < deadline:
             seen |= listening([process.pid, *descendants(process.pid)])
-            time.sleep(0.05)
+            time.sleep(0.1)
     finally:
         if process.poll() is None:
             process.kill()

@@ -4,7 +4,7 @@ import pytest
 
 from lab import config, experiments, processes
 from lab.config import APP_DEFAULT, check_page
-from test_app import app, small  # noqa: F401  (the fixture: a fresh server's page, nothing cached)
+from test_app import app  # noqa: F401  (the fixture: a fresh server's page, nothing cached)
 
 
 @pytest.fixture
@@ -54,8 +54,9 @@ def test_every_setting_beyond_a_control_is_refused(monkeypatch):
 
 
 def test_a_session_keeps_the_last_pins_only(app):  # noqa: F811
+    for key, value in dict(model="mlp", stages=3, micro=2, transport="threads").items():
+        app.session_state[key] = value  # a small setting from the first run on
     app.run()
-    small(app, micro=2)
     app.button(key="pin").click().run()
     app.session_state["pinned"] = app.session_state["pinned"] * (config.PAGE_PINS + 4)
     app.button(key="pin").click().run()
