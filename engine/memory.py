@@ -37,11 +37,6 @@ class ActivationLedger:
         self.live = 0
         self.peak = 0
 
-    def reset_peak(self) -> None:
-        """Start a new peak measurement from what is live now."""
-        with self._lock:
-            self.peak = self.live
-
     def hold(self, tensor: torch.Tensor):
         """Count `tensor`'s storage until the returned handle is deleted (parameters and empty
         tensors are not counted and come back as they are: the pack hook runs for every tensor

@@ -49,7 +49,7 @@ class GPipe(nn.Module):
     one pipeline of D*M micro-batches over the global batch would draw (shards of equal size).
     """
 
-    def __init__(self, module: nn.Sequential, balance: Union[int, Sequence[int]],
+    def __init__(self, module: nn.Sequential, balance: Union[int, Sequence[int]], *,
                  devices: Optional[Sequence] = None, chunks: int = 1, checkpoint: str = "except_last",
                  deferred_batch_norm: bool = False, seed: Optional[int] = None,
                  threads_per_stage: Optional[int] = None, record_memory: bool = True, schedule: str = "gpipe",
@@ -67,7 +67,7 @@ class GPipe(nn.Module):
         if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
             raise ValueError(f"chunks={chunks!r}: expected an int >= 1 (micro-batches per mini-batch)")
         schedules.check_layout(schedule, stages, chunks, virtual_stages)
-        self.chunks = chunks  # torchgpipe's name for the number of micro-batches, M
+        self.micro_batches = chunks  # M: `chunks=` is torchgpipe's keyword for it; a chunk here is a piece of layers
         self.checkpoint = schedules.check_checkpoint_mode(checkpoint)
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
             raise TypeError(f"seed={seed!r}: expected an int or None")
@@ -84,8 +84,8 @@ class GPipe(nn.Module):
             self.devices = resolve_devices(devices, stages, module)
             placed = dict(enumerate(self.devices))
         else:  # the process path is a plug-in: imported only by pipes that run one stage per process
-            from .distributed.runner import place
-            self.rank, device = place(group, stages, devices, module)
+            from .distributed.runner import rank_and_device
+            self.rank, device = rank_and_device(group, stages, devices, module)
             self.devices = [device]
             placed = {self.rank: device}
         partitions = split(module, self.balance)
@@ -167,7 +167,7 @@ class GPipe(nn.Module):
             decision = self._runner.agree(self._decide(kind, inputs) if self._local.runs_first else None)
             if kind == "step":
                 self.steps_done += 1
-            call = self._plan(kind, decision, inputs, targets, loss_fn)
+            call = self._prepare(kind, decision, inputs, targets, loss_fn)
             result, self.trace = self._runner.run(call, on_event, serial)
         return result
 
@@ -183,17 +183,17 @@ class GPipe(nn.Module):
             mix_seed(self.seed, self.steps_done, phase)
         return Decision(batch, seed)
 
-    def _plan(self, kind: str, decision: Decision, inputs, targets, loss_fn) -> Call:
+    def _prepare(self, kind: str, decision: Decision, inputs, targets, loss_fn) -> Call:
         """Everything about the call that follows from the decision and this pipe's settings."""
         training = kind == "step"
-        sizes = micro_batch_sizes(decision.batch, self.chunks)
+        sizes = micro_batch_sizes(decision.batch, self.micro_batches)
         micro_targets = None
         if training and self._local.runs_last:
             if targets is None and self.rank is not None:
                 raise ValueError(f"targets are missing on rank {self.rank}, which runs the last stage: pass the "
                                  f"mini-batch's targets there (other ranks may pass None)")
             check_targets(targets, decision.batch)
-            micro_targets = scatter(pinned(targets, self.devices), self.chunks)
+            micro_targets = scatter(pinned(targets, self.devices), self.micro_batches)
         replicas = self._runner.replicas
         return Call(kind=kind, decision=decision, sizes=tuple(sizes),
                     micro_offset=0 if replicas is None else replicas.index * len(sizes),
@@ -201,7 +201,7 @@ class GPipe(nn.Module):
                     checkpointed=tuple(training and schedules.checkpointed(m, len(sizes), self.checkpoint)
                                        for m in range(len(sizes))),
                     record_memory=training and self.record_memory,
-                    inputs=scatter(pinned(inputs, self.devices), self.chunks) if self._local.runs_first else None,
+                    inputs=scatter(pinned(inputs, self.devices), self.micro_batches) if self._local.runs_first else None,
                     targets=micro_targets, loss_fn=loss_fn if training else None)
 
 

@@ -39,11 +39,6 @@ def mix_seed(*parts: int) -> int:
 _RANDOM_MODULES = (nn.modules.dropout._DropoutNd, nn.RReLU, nn.MultiheadAttention)
 
 
-def has_random_modules(layer: nn.Module) -> bool:
-    """Whether `layer` contains a module known to draw random numbers in training (dropout & co)."""
-    return any(isinstance(m, _RANDOM_MODULES) for m in layer.modules())
-
-
 class StageRandomness(TorchDispatchMode):
     """Dispatch mode giving each (layer, micro-batch) its own seeded generator on the stage's thread.
 

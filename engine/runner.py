@@ -212,7 +212,7 @@ def _stop(inboxes) -> None:
 OP_NAMES = {"F": "forward", "R": "recompute", "B": "backward", "W": "weight gradient"}
 
 
-def place(stage: int, task: Optional[Task]) -> str:
+def where(stage: int, task: Optional[Task]) -> str:
     """'stage 2, micro-batch 0, forward (F0)': where in the pipeline a task runs (and its chunk, when
     the stage holds several)."""
     if task is None:
@@ -224,9 +224,9 @@ def place(stage: int, task: Optional[Task]) -> str:
 def name_place(exc: BaseException, stage: int, task: Optional[Task], prefix: str = "") -> BaseException:
     """Put the stage, task and micro-batch (after `prefix`, such as "rank 1, ") in the exception's
     message, keeping its type."""
-    where = prefix + place(stage, task)
+    place = prefix + where(stage, task)
     if exc.args and isinstance(exc.args[0], str):
-        exc.args = (f"[{where}] {exc.args[0]}",) + exc.args[1:]
+        exc.args = (f"[{place}] {exc.args[0]}",) + exc.args[1:]
     else:
-        exc.args = (f"[{where}] {exc}",)
+        exc.args = (f"[{place}] {exc}",)
     return exc

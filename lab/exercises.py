@@ -630,8 +630,8 @@ def check_first_pipe(pipe) -> str:
         raise Feedback(f"my_pipe is {type(pipe).__name__}: {SAYS['not a pipe']}")
     if pipe.stages != 3:
         raise Feedback(f"my_pipe has {pipe.stages} stages: balance=3 cuts the model into 3 (or give 3 layer counts)")
-    if pipe.chunks != 6:
-        raise Feedback(f"my_pipe cuts each mini-batch into chunks={pipe.chunks}: ask for 6 micro-batches")
+    if pipe.micro_batches != 6:
+        raise Feedback(f"my_pipe cuts each mini-batch into chunks={pipe.micro_batches}: ask for 6 micro-batches")
     if not pipe.trace.events:
         raise Feedback(SAYS["not run"])
     if not any(e.op == "B" for e in pipe.trace.events):

@@ -183,8 +183,10 @@ def test_a_pools_stage_takes_the_gpu_of_its_pool_rank_not_an_inherited_local_ran
     from engine.distributed import pool
     monkeypatch.setenv("LOCAL_RANK", "3")
     monkeypatch.setattr(pool, "join", lambda *args, **kwargs: None)   # no group: only where the stage goes
+    selected = []
+    monkeypatch.setattr(torch.cuda, "set_device", selected.append)
     placed = [pool.StageServer(rank, 6, "", 1, False, "cuda").device for rank in range(6)]
-    assert placed == [torch.device("cuda", k % 4) for k in range(6)]
+    assert placed == selected == [torch.device("cuda", k % 4) for k in range(6)]  # each selects its own GPU
     assert pool.StageServer(1, 2, "", 1, False, "cpu").device == "cpu"
 
 
@@ -201,7 +203,7 @@ def test_without_local_rank_a_replicas_stage_takes_the_gpu_of_its_world_rank(pre
         monkeypatch.delenv("LOCAL_RANK", raising=False)
     else:
         monkeypatch.setenv("LOCAL_RANK", local_rank)
-    assert runner.place(None, 2, "cuda", None) == (1, torch.device("cuda", expected))
+    assert runner.rank_and_device(None, 2, "cuda", None) == (1, torch.device("cuda", expected))
 
 
 def test_the_notebooks_device_is_the_cpu_unless_asked(monkeypatch):

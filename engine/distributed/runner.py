@@ -31,7 +31,7 @@ from .transport import ProcessTransport, Ranks, StageFailed, check_group
 from .wire import Malformed, pack_table, unpack_table
 
 
-def place(group, stages: int, devices, module) -> tuple[int, torch.device]:
+def rank_and_device(group, stages: int, devices, module) -> tuple[int, torch.device]:
     """This process's stage (its rank in `group`) and its device, by the policy of
     engine.device.resolve_devices, except that "cuda" means this rank's GPU: cuda:LOCAL_RANK (mod
     the GPUs visible) under torchrun, else cuda:(rank in the world) mod the GPUs, so that the

@@ -15,7 +15,7 @@ Spin, then sleep (as NCCL and MPI wait): when every stage process of the host ha
 own, a waiting stage polls without sleeping for up to SPIN_SECONDS before it sleeps in poll. A
 stage that sleeps must be woken, and on a virtual machine that is slow: one way, a message took
 130 to 180 us to a sleeping stage and 40 to 70 us to a spinning one on a 2-core host (`python -m
-engine.bench`, its ping-pong row). Where stages share cores, a spinning stage would take the core
+lab.bench`, its ping-pong row). Where stages share cores, a spinning stage would take the core
 that the stage it waits for needs, so the lane sleeps at once (`spin_for`).
 
 Nothing stays in /dev/shm: a FIFO's name is removed once both ends are open, a segment's once its
