@@ -1,8 +1,8 @@
 """Benchmark of the engine on this host: prints one table of measured throughputs and ratios.
 
-    python -m engine.bench            # full size: 8 x Linear(1024,1024)+ReLU, batch 2048, and the
-                                      # small model (8 x Linear(256)+ReLU, batch 64) threads vs processes
-    python -m engine.bench --quick    # small sizes, for a smoke run
+    python -m lab.bench            # full size: 8 x Linear(1024,1024)+ReLU, batch 2048, and the
+                                   # small model (8 x Linear(256)+ReLU, batch 64) threads vs processes
+    python -m lab.bench --quick    # small sizes, for a smoke run
 
 Every configuration is timed once per round, round after round, so that a noisy host slows all
 of them alike. Rates are medians over the rounds; a ratio is the median of the per-round ratios.
@@ -20,18 +20,10 @@ from typing import Callable
 import torch
 from torch import nn
 
-from .device import cpu_cores, keep_freed_cpu_memory
-from .pipe import GPipe
-from .distributed.pool import ProcessPool
+from engine import GPipe, ProcessPool
+from engine.device import cpu_cores, keep_freed_cpu_memory
 
-
-def uniform_mlp(width: int, layers: int, dropout: float = 0.0, seed: int = 0) -> nn.Sequential:
-    """`layers` x (Linear(width, width) + ReLU [+ Dropout]), the benchmark's uniform stack."""
-    torch.manual_seed(seed)
-    blocks = []
-    for _ in range(layers):
-        blocks += [nn.Linear(width, width), nn.ReLU()] + ([nn.Dropout(dropout)] if dropout else [])
-    return nn.Sequential(*blocks)
+from .models import build_mlp
 
 
 def plain_step(model: nn.Sequential, threads: int) -> Callable[[torch.Tensor, torch.Tensor], None]:
@@ -57,7 +49,7 @@ def engine_step(model: nn.Sequential, stages: int, chunks: int, threads: int, **
 def process_step(pool: ProcessPool, width: int, layers: int, chunks: int, **options):
     """The pipeline with one process per stage (a local pool): its step returns the step's seconds
     as the first stage's process measured them, without this process's hand-over to the pool."""
-    pool.build("engine.bench:uniform_mlp", dict(width=width, layers=layers), chunks=chunks, **options)
+    pool.build("lab.models:build", dict(name="mlp", blocks=layers, width=width), chunks=chunks, **options)
     loss_fn = nn.functional.mse_loss
 
     def step(x, y):
@@ -97,7 +89,7 @@ def run_together(jobs: list[Callable[[], None]]) -> None:
         thread.join()
 
 
-def independent_halves(model: nn.Sequential, chunks: int, checkpoint: str):
+def independent_halves(model: nn.Sequential, width: int, chunks: int, checkpoint: str):
     """The ceiling for two cores: each half of the model trained on its own thread (K=1 each), the
     same work as the two stages of a K=2 pipeline (the second half's input gradient included) but
     with no data passing between them."""
@@ -107,7 +99,7 @@ def independent_halves(model: nn.Sequential, chunks: int, checkpoint: str):
     loss_fn = nn.MSELoss()
 
     def step(x, y):
-        middle = torch.randn(x.shape[0], pipes[1].partitions[0][0].in_features, requires_grad=True)
+        middle = torch.randn(x.shape[0], width, requires_grad=True)
         run_together([lambda: pipes[0].step(x, middle, loss_fn), lambda: pipes[1].step(middle, y, loss_fn)])
     return step
 
@@ -142,15 +134,15 @@ def run(width: int, layers: int, batch: int, rounds: int, checkpoint: str, pool:
     cores = cpu_cores()
     torch.manual_seed(1)
     x, y = torch.randn(batch, width), torch.randn(batch, width)
-    model = uniform_mlp(width, layers)
-    dropout_model = uniform_mlp(width, layers, dropout=0.1)
+    model = build_mlp(layers, width)
+    dropout_model = build_mlp(layers, width, dropout=0.1)
     single = {f"K=1 M={m} {t} thread(s)": engine_step(model, 1, m, t, checkpoint=checkpoint)
               for m in (1, 4, 32) for t in sorted({1, cores})}
     steps = dict(single)
     steps.update({
         "K=2 M=32": engine_step(model, 2, 32, 1, checkpoint=checkpoint),
         "K=2 M=32 processes": process_step(pool, width, layers, 32, checkpoint=checkpoint, threads_per_stage=1),
-        "ceiling": independent_halves(model, 32, checkpoint),
+        "ceiling": independent_halves(model, width, 32, checkpoint),
         "matmuls 1 thread": bare_matmuls(width, layers, batch, 32, 1),
         "matmuls 2 threads": bare_matmuls(width, layers, batch, 32, 2),
         "K=2 M=32 no ledger": engine_step(model, 2, 32, 1, checkpoint=checkpoint, record_memory=False),
@@ -214,7 +206,7 @@ def measure_small(pools: dict[str, ProcessPool], small: dict, rounds: int):
     threads, K=2 as processes over each lane; and the processes' traces, by lane."""
     width, layers, batch, chunks = small["width"], small["layers"], small["batch"], small["chunks"]
     x, y = torch.randn(batch, width), torch.randn(batch, width)
-    model = uniform_mlp(width, layers)
+    model = build_mlp(layers, width)
     traces: dict[str, list] = {lane: [] for lane in pools}
 
     def traced(lane: str):

@@ -38,10 +38,11 @@ class ZooModel(ModelCard):
 
 # --- uniform MLP ------------------------------------------------------------------------------
 
-def build_mlp(blocks: int, width: int, seed: int = 0) -> nn.Sequential:
-    """`blocks` x (Linear(width, width) + ReLU), each block one pipeline layer."""
+def build_mlp(blocks: int, width: int, seed: int = 0, dropout: float = 0.0) -> nn.Sequential:
+    """`blocks` x (Linear(width, width) + ReLU [+ Dropout]), each block one pipeline layer."""
     torch.manual_seed(seed)
-    return nn.Sequential(*[nn.Sequential(nn.Linear(width, width), nn.ReLU()) for _ in range(blocks)])
+    extra = [nn.Dropout(dropout)] if dropout else []
+    return nn.Sequential(*[nn.Sequential(nn.Linear(width, width), nn.ReLU(), *extra) for _ in range(blocks)])
 
 
 def mlp_batch(size: int, width: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:

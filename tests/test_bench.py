@@ -1,5 +1,5 @@
 """The benchmark runs end to end and prints its table (timings themselves are not tested)."""
-from engine import bench
+from lab import bench
 
 
 def test_quick_benchmark_prints_every_row(capsys):
