@@ -8,7 +8,8 @@ from torch import nn
 
 from engine import GPipe
 
-from .experiments import RunConfig, build, train
+from .config import RunConfig
+from .experiments import build, train
 
 
 def pipeline_gradients(config: RunConfig, stages: int, checkpoint: str) -> list[torch.Tensor]:

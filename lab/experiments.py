@@ -24,9 +24,7 @@ from engine.partition import even_balance
 from engine.trace import Event, Message, Trace
 
 from . import host, models, processes, theory
-# A run's settings live in lab.config (no torch there); they are used, and offered, here too.
-from .config import (APP_DEFAULT, BALANCES, MEASURE_ROUNDS, MEASURE_WARMUP, TRANSPORTS, RunConfig,  # noqa: F401
-                     baseline_of, check, measure_rounds, micro_batch_count)
+from .config import RunConfig, baseline_of, check, micro_batch_count
 
 
 

@@ -18,7 +18,8 @@ from engine import GPipe
 from engine.partition import resolve_balance
 
 from . import models, theory
-from .experiments import RunConfig, build, devices_for, predicted_activation_bytes
+from .config import RunConfig
+from .experiments import build, devices_for, predicted_activation_bytes
 
 
 def table1_setting(device: str = "cpu", quick: bool = False, seed: int = 0,

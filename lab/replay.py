@@ -62,6 +62,12 @@ def _timeline(label: str, stages: int, events: list[Event], unit: str = "s", mes
                                  messages=list(messages), reductions=list(reductions)), unit)
 
 
+def how_obtained(how: str, transport: str) -> str:
+    """A figure's label saying how it was obtained: "measured (threads)" or "measured (processes)"
+    when `how` is "measured", else `how` itself ("ideal replay", ...). Tables and charts all use it."""
+    return f"measured ({transport})" if how == "measured" else how
+
+
 def measured(events: list[dict], stages: int, label: str = "measured", messages: list[dict] = (),
              reductions: list[dict] = ()) -> Timeline:
     """The events of a run as a timeline (seconds from the step's start), with the messages
@@ -95,7 +101,7 @@ def of_record(record, view: str) -> Timeline:
     config = record.config
     virtual = config.get("virtual_stages", 1)
     if view == "measured":
-        return measured(record.events, record.stages, f"measured ({record.transport})", record.messages)
+        return measured(record.events, record.stages, how_obtained(view, record.transport), record.messages)
     if view == "ideal replay":
         events = record.solo_events or record.events
         label = "ideal replay of tasks timed alone" if record.solo_events else "ideal replay of measured tasks"

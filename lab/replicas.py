@@ -13,7 +13,8 @@ from dataclasses import dataclass
 from typing import Callable, Optional
 
 from . import allreduce, replay, theory
-from .experiments import RunConfig, run
+from .config import RunConfig
+from .experiments import run
 
 
 def layouts(workers: int, layers: int) -> list[tuple[int, int]]:

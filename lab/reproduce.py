@@ -29,8 +29,8 @@ from tqdm import tqdm
 from engine.device import keep_freed_cpu_memory
 
 from . import fit, host, peers, schedules, speedup, theory
-from .experiments import APP_DEFAULT, MEASURE_ROUNDS, RunConfig, measure_rounds
-from .experiments import check as experiments_check
+from .config import APP_DEFAULT, MEASURE_ROUNDS, RunConfig, measure_rounds
+from .config import check as check_config
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -100,12 +100,12 @@ def check(args: argparse.Namespace) -> None:
         raise ValueError(f"--model {model!r}: expected transformer or cnn")
     if args.command == "schedules":
         base = schedules_config(args)
-        experiments_check(base)
+        check_config(base)
         if args.virtual < 2 or base.stages * args.virtual > base.layers:
             raise ValueError(f"--virtual {args.virtual}: expected 2 <= v and K*v <= {base.layers} layers")
         return
     if args.command == "transports":
-        experiments_check(transports_config(args).but(transport="processes"))
+        check_config(transports_config(args).but(transport="processes"))
         if transports_rounds(args) < 1:
             raise ValueError(f"--rounds {args.rounds}: expected at least 1")
         return

@@ -7,7 +7,8 @@ from typing import Callable, Iterator, Optional, Union
 
 from . import replay, theory
 from .config import SCHEDULE_ORDER
-from .experiments import RunConfig, RunRecord, check, parallel_devices, run
+from .config import RunConfig, check
+from .experiments import RunRecord, parallel_devices, run
 
 
 
@@ -59,7 +60,6 @@ def compare(config: RunConfig, virtual: int = 2, progress: Optional[Callable[[st
         if progress is not None:
             progress(name)
         record = run(each, replay=replay_tasks)
-        measured = each.stages <= parallel_devices(each)
-        view = "measured" if measured else "ideal replay"
-        how = f"measured ({each.transport})" if measured else "ideal replay"
-        yield ScheduleRun(name, each.virtual_stages, how, replay.of_record(record, view), record)
+        view = "measured" if each.stages <= parallel_devices(each) else "ideal replay"
+        yield ScheduleRun(name, each.virtual_stages, replay.how_obtained(view, each.transport),
+                          replay.of_record(record, view), record)

@@ -22,8 +22,8 @@ from functools import lru_cache
 from typing import Callable, Iterable, Iterator, Optional
 
 from . import processes, replay
-from .experiments import (MEASURE_WARMUP, RunConfig, RunRecord, build, choose_balance, parallel_devices, pipeline,
-                          run, solo_events)
+from .config import MEASURE_WARMUP, RunConfig
+from .experiments import RunRecord, build, choose_balance, parallel_devices, pipeline, run, solo_events
 
 # The recompute setting of every speedup table: each micro-batch re-materialized, as in the paper.
 # One setting for the whole table; "except_last" would recompute nothing at M=1 and 31 of 32
@@ -184,7 +184,7 @@ class Cell:
         if self.how == "launch-bound":
             return (f"not measured: launch-bound (GPU busy {self.gpu_ratio:.1f}x the host's time per task, "
                     f"{GPU_FLOOR:g}x needed, and K x for threads)")
-        return f"measured ({self.transport})" if self.how == "measured" else self.how
+        return replay.how_obtained(self.how, self.transport)
 
 
 def cell_ratio(record: RunRecord) -> Optional[float]:
@@ -274,7 +274,7 @@ def bubble_point(record: RunRecord) -> tuple[int, float, str]:
     """(M, bubble, how) of one record: "measured (threads)" or "measured (processes)" when the host
     ran its K stages at once, else "ideal replay" (of the task times measured alone)."""
     _, how, bubble = throughput(record)
-    return record.micro_batches, bubble, f"measured ({record.transport})" if how == "measured" else how
+    return record.micro_batches, bubble, replay.how_obtained(how, record.transport)
 
 
 def bubble_points(base: RunConfig, micro: Iterable[int] = (1, 2, 4, 8, 16, 32)) -> list[tuple[int, float, str]]:

@@ -39,9 +39,8 @@ PAPER_VS_MODEL = ("K·M/(M+K-1) is the unit-cost ideal without recompute: equal 
                   "size was adjusted where memory required it, so the cells did not all do the same work. The "
                   "paper does not say how much each contributed, and the lab does not guess")
 # Table 1: on TPUv3 cores with 16 GB each, re-materialization alone lets one core hold a 2.7x
-# larger Transformer; with 128 partitions the model grows from 282M to 83.9B parameters.
+# larger Transformer.
 PAPER_REMAT_GROWTH = 2.7
-PAPER_LARGEST_PARAMS = {"naive-1": 282.2e6, "pipeline-128": 83.9e9}
 
 
 def bubble(stages: int, micro_batches: int) -> float:
@@ -87,23 +86,6 @@ def stage_activation_bytes(layer_bytes: Sequence[float], input_bytes: float, bat
     if not recompute:
         return batch * (input_bytes + sum(layer_bytes))
     return batch * input_bytes + (batch / micro_batches) * sum(layer_bytes)
-
-
-def data_vs_pipeline(param_bytes: int, boundary_bytes_per_sample: float, batch: int, devices: int) -> dict:
-    """Per device and per training step, what data parallelism and a K-stage pipeline hold and send.
-
-    Data parallel: every device keeps the whole model and, per step, all-reduces the gradients
-    (a ring all-reduce sends about 2 (K-1)/K of the gradient bytes from each device). Pipeline:
-    each device keeps 1/K of the model and, per step, sends each boundary activation forward and
-    its gradient back: 2 x N x (bytes per sample at a boundary), on each of the K-1 boundaries.
-    """
-    k = devices
-    return {
-        "data parallel: model bytes per device": param_bytes,
-        "pipeline: model bytes per device": param_bytes / k,
-        "data parallel: bytes sent per device per step": 2 * (k - 1) / k * param_bytes,
-        "pipeline: bytes sent per boundary per step": 2 * batch * boundary_bytes_per_sample,
-    }
 
 
 # --- the schedules that came after GPipe ------------------------------------------------------

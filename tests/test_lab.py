@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from lab import charts, experiments, models, replay, speedup, tables, theory
-from lab.experiments import RunConfig
+from lab.config import MEASURE_ROUNDS, RunConfig, check, measure_rounds
 
 
 def test_theory_by_hand():
@@ -88,13 +88,13 @@ def test_other_charts():
 ])
 def test_bad_configurations_are_explained(changes, words):
     with pytest.raises(ValueError, match=words):
-        experiments.check(RunConfig(**{**RunConfig().__dict__, **changes}))
+        check(RunConfig(**{**RunConfig().__dict__, **changes}))
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a host without CUDA")
 def test_cuda_configuration_on_a_cpu_host():
     with pytest.raises(ValueError, match="no CUDA GPU"):
-        experiments.check(RunConfig(device="cuda"))
+        check(RunConfig(device="cuda"))
 
 
 def test_run_record_is_plain_and_complete():
@@ -141,13 +141,21 @@ def test_a_bad_host_size_override_is_explained(monkeypatch, value):
 
 def test_the_rounds_a_setting_is_measured_over_can_be_set_and_a_bad_count_is_explained(monkeypatch):
     monkeypatch.delenv("GPIPE_LAB_ROUNDS", raising=False)
-    assert experiments.measure_rounds() == experiments.MEASURE_ROUNDS == 11
+    assert measure_rounds() == MEASURE_ROUNDS == 11
     monkeypatch.setenv("GPIPE_LAB_ROUNDS", "21")
-    assert experiments.measure_rounds() == 21
+    assert measure_rounds() == 21
     for value in ("many", "0", "-3"):
         monkeypatch.setenv("GPIPE_LAB_ROUNDS", value)
         with pytest.raises(ValueError, match=f"GPIPE_LAB_ROUNDS='{value}': expected a whole number of rounds"):
-            experiments.measure_rounds()
+            measure_rounds()
+
+
+def test_every_figure_says_how_it_was_obtained_with_one_label():
+    assert replay.how_obtained("measured", "threads") == "measured (threads)"
+    assert replay.how_obtained("measured", "processes") == "measured (processes)"
+    assert replay.how_obtained("ideal replay", "processes") == "ideal replay"
+    from lab.speedup import Cell
+    assert Cell(2, 4, 1.0, 1.0, 1.0, "measured", 0.2, "processes").label == "measured (processes)"
 
 
 def test_bubble_point_says_how_it_was_obtained(monkeypatch):
@@ -247,7 +255,7 @@ def test_gantt_of_processes_has_a_message_row_per_stage_and_the_boundary_chart()
 
 def test_bad_transport_is_explained():
     with pytest.raises(ValueError, match="transport='pigeons': expected one of"):
-        experiments.check(RunConfig(transport="pigeons"))
+        check(RunConfig(transport="pigeons"))
 
 
 def test_what_the_app_draws_first_loads_without_torch():
@@ -266,7 +274,6 @@ def test_what_the_app_draws_first_loads_without_torch():
 def test_layouts_of_workers_trade_cuts_for_all_reduces_and_memory():
     """lab.replicas.compare on four workers: what each layout sends and holds, measured here."""
     from lab import replicas
-    from lab.config import RunConfig
     rows = {r["D x K"]: r for r in replicas.compare(RunConfig(model="mlp", blocks=4, width=32), 4, 16, 2)}
     assert list(rows) == ["1 x 4", "2 x 2", "4 x 1"]
     assert [rows[k]["M per replica"] for k in rows] == [8, 4, 2]   # B = b·M·D

@@ -18,7 +18,8 @@ MARKER = "main module ran"
 STEP = textwrap.dedent(f"""\
     import json
     print({MARKER!r}, flush=True)
-    from lab.experiments import RunConfig, run
+    from lab.config import RunConfig
+    from lab.experiments import run
     record = run(RunConfig(model="mlp", blocks=4, width=128, batch=32, stages=2, micro_batches=4,
                            transport="processes"))
     print(json.dumps({{"loss": record.loss, "transport": record.transport,
