@@ -6,6 +6,18 @@
     GPipe(model, balance, ..., group=pp, data_parallel=dp)  # D pipelines as replicas
     ProcessPool(stages)                              # K local stage processes driven from here
 
+Reading path, core first (each file has one job):
+ 1. pipe.py       GPipe: cut the model, plan each call, hand it to a runner
+ 2. call.py       the first stage's Decision and the Call every stage plans alike
+ 3. schedule.py   the task lists (fill-drain, 1F1B, interleaved, ZB-H1) as pure data
+ 4. runner.py     run_tasks, the one task loop; the Runner protocol; ThreadRunner
+ 5. stages.py     the stages one process runs: start, settle, conclude a call
+ 6. chunk.py      a piece of layers and its tasks: forward, recompute, backward, weights
+ 7. transport.py  how a task's output reaches the next chunk between threads
+ 8. device.py, microbatch.py, partition.py, balance.py, batchnorm.py, rng.py, memory.py, trace.py
+Then the process plug-in, engine/distributed (its own docstring orders it): a RankRunner and a
+ProcessTransport over one of two Lanes, and the ProcessPool that starts stage processes.
+
 Every name here loads the first time it is asked for: `engine.schedule` and `engine.trace` need no
 torch (the lab draws its theory diagrams from them while torch is still loading), and the thread
 engine never imports the process path (engine/distributed).

@@ -13,7 +13,7 @@ from .device import StageDevice, cpu_cores, pinned, resolve_devices
 from .microbatch import Value, check_inputs, check_targets, scatter
 from .partition import check_module, resolve_balance, split
 from .rng import mix_seed
-from .runner import EventCallback, ThreadRunner
+from .runner import EventCallback, Runner, ThreadRunner
 from .stages import LocalStages
 from .trace import Trace
 
@@ -35,7 +35,8 @@ class GPipe(nn.Module):
     name puts every stage there, "cuda" spreads them over the visible GPUs; a list names one device
     per stage.
 
-    By default every stage is a thread of this process. With `group=` (a torch.distributed process
+    `pipe.runner` runs each call (the Runner protocol, engine/runner.py). By default every stage is
+    a thread of this process. With `group=` (a torch.distributed process
     group of K ranks) rank i runs stage i in its own process: every rank builds the same model and
     calls the same methods; each keeps only its stage's layers (the others' parameters are freed),
     and `pipe.parameters()` are its stage's; there "cuda" means this rank's GPU, cuda:LOCAL_RANK.
@@ -101,11 +102,11 @@ class GPipe(nn.Module):
         self.partitions = nn.ModuleList([partitions[c] for c in self.local_chunks])
         self._local = LocalStages(chunk_map, stage_devices, count)
         if group is None:
-            self._runner = ThreadRunner(self._local, stages)
+            self.runner: Runner = ThreadRunner(self._local, stages)
         else:
             from .distributed.runner import RankRunner
             _release_all_but(module, self.partitions)
-            self._runner = RankRunner(self._local, group, stages, wraps=virtual_stages > 1, data_parallel=data_parallel)
+            self.runner = RankRunner(self._local, group, stages, wraps=virtual_stages > 1, data_parallel=data_parallel)
         self.steps_done = 0
         self.trace = Trace(stages=stages, checkpoint=checkpoint)
 
@@ -113,7 +114,7 @@ class GPipe(nn.Module):
         """Stop the stage worker threads now (they also stop when the pipe is garbage-collected);
         a later call starts new ones. With stages as processes every rank calls it (it ends the
         transport's threads on both sides of each connection), and the pipe cannot be used after."""
-        self._runner.close()
+        self.runner.close()
 
     def step(self, inputs: Value, targets: torch.Tensor, loss_fn: Callable, *, on_event: EventCallback = None,
              serial: bool = False):
@@ -150,7 +151,7 @@ class GPipe(nn.Module):
     def call_origin(self) -> float:
         """The time origin of the current (or last) call as a time.perf_counter() reading (with
         stages as processes, on rank 0's clock): an event's times are seconds from it."""
-        return self._runner.origin
+        return self.runner.origin
 
     def task_lists(self, micro_batches: int, training: bool = True) -> list[list[schedules.Task]]:
         """Each stage's task list for a call of `micro_batches` micro-batches."""
@@ -161,14 +162,14 @@ class GPipe(nn.Module):
     # --- one call: decided by the first stage, planned here, run by the runner -------------------
 
     def _call(self, kind: str, inputs, targets, loss_fn, on_event: EventCallback, serial: bool = False):
-        with self._runner.calling():
+        with self.runner.calling():
             if kind == "step" and not callable(loss_fn):
                 raise TypeError(f"loss_fn must be callable, got {loss_fn!r}")
-            decision = self._runner.agree(self._decide(kind, inputs) if self._local.runs_first else None)
+            decision = self.runner.agree(self._decide(kind, inputs) if self._local.runs_first else None)
             if kind == "step":
                 self.steps_done += 1
             call = self._prepare(kind, decision, inputs, targets, loss_fn)
-            result, self.trace = self._runner.run(call, on_event, serial)
+            result, self.trace = self.runner.run(call, on_event, serial)
         return result
 
     def _decide(self, kind: str, inputs) -> Decision:
@@ -194,7 +195,7 @@ class GPipe(nn.Module):
                                  f"mini-batch's targets there (other ranks may pass None)")
             check_targets(targets, decision.batch)
             micro_targets = scatter(pinned(targets, self.devices), self.micro_batches)
-        replicas = self._runner.replicas
+        replicas = self.runner.replicas
         return Call(kind=kind, decision=decision, sizes=tuple(sizes),
                     micro_offset=0 if replicas is None else replicas.index * len(sizes),
                     schedule=self.task_lists(len(sizes), training), checkpoint=self.checkpoint,

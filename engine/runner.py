@@ -17,7 +17,7 @@ import threading
 import time
 import weakref
 from contextlib import ExitStack, contextmanager, suppress
-from typing import Callable, Iterable, Optional
+from typing import Callable, ContextManager, Iterable, Optional, Protocol
 
 from .call import Call, Decision
 from .schedule import Task, timeline, upstream
@@ -27,6 +27,19 @@ from .transport import Aborted, StageFailed, ThreadTransport, message_key
 
 EventCallback = Optional[Callable[[Event], None]]
 Mark = tuple  # (task, start mark, end mark)
+
+
+class Runner(Protocol):
+    """What GPipe asks of the stages of a call, wherever they run: ThreadRunner (here) or RankRunner
+    (engine/distributed/runner.py, one stage per process)."""
+
+    origin: float                    # the current call's time origin, a perf_counter reading
+    replicas: object                 # the data-parallel replicas, or None
+
+    def calling(self) -> ContextManager: ...                    # the scope of one call
+    def agree(self, decision: Optional[Decision]) -> Decision: ...  # the first stage's decision, everywhere
+    def run(self, call: Call, on_event: EventCallback = None, serial: bool = False) -> tuple: ...  # (result, trace)
+    def close(self) -> None: ...                                # stop threads, transports, groups
 
 
 def run_tasks(local: LocalStages, work: Iterable[tuple[int, Task]], transport,

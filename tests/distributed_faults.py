@@ -95,7 +95,7 @@ FORGED_ENDS = {  # (the loss it came with, 24 samples) -> what a forger sends in
 
 def forge_end(pipe, forged) -> None:
     """Make this rank's next "end" message the forged one (for one call)."""
-    transport = pipe._runner.transport
+    transport = pipe.runner.transport
     honest = transport.send_control
 
     def send_control(destination, kind, value=None, micro=0):
@@ -124,7 +124,7 @@ def main(group: str, runs: int, backward_runs: int) -> None:
         model.insert(7, Explodes(at=3, how="kill"))  # 10 layers over 2 stages: in stage 1
         pipe = GPipe(model, size, chunks=4, threads_per_stage=1, group=dist.group.WORLD)
         attempt(lambda: pipe.step(inputs, targets, LOSS))
-        report(lane=pipe._runner.transport.lane.name)
+        report(lane=pipe.runner.transport.lane.name)
         pipe.close()  # the survivor's lane removes what the killed rank left in /dev/shm
         os._exit(0)  # the group is broken: leave without the collective clean-up
 

@@ -1,9 +1,12 @@
-"""Stages as processes: a plug-in to the thread engine, imported only by what uses it.
+"""Stages as processes: a plug-in to the thread engine, imported only by what uses it. In reading order:
 
-- wire.py: the frames stage processes exchange (header, then payload);
-- transport.py: `ProcessTransport`, the thread transport's calls over torch.distributed;
-- runner.py: `RankRunner`, one rank's share of a call (GPipe(..., group=...) uses it);
-- children.py, child.py: child processes that run engine code only, whatever the parent is;
-- local.py: how the processes one process starts on this host meet, with no socket beyond loopback;
-- pool.py: `ProcessPool`, K local stage processes driven from one process (the lab, notebooks).
+1. runner.py: `RankRunner`, one rank's share of a call (GPipe(..., group=...) uses it);
+2. transport.py: `ProcessTransport`, the thread transport's calls over a `Lane` (its protocol);
+3. wire.py: the frames stage processes exchange (header, then payload), never pickle;
+4. shm_lane.py and gloo_lane.py: the two lanes (shared memory on one host; gloo, NCCL for GPUs);
+   works.py: waiting on torch.distributed works;
+5. replicas.py: data parallelism, the all-reduce of a stage with its replicas;
+6. pool.py: `ProcessPool`, K local stage processes driven from one process (the lab, notebooks),
+   and stage_server.py, what each of them runs; children.py and child.py start them, whatever
+   the parent is; local.py: how they meet with no socket beyond loopback.
 """

@@ -2,7 +2,7 @@
 with the ranks of the neighbouring stages.
 
 `ProcessTransport` offers a stage's task loop the same `receive` / `send` / `check` calls as the
-thread transport, with messages in the format of engine/wire.py, over one of two lanes:
+thread transport, with messages in the format of wire.py, over one of two lanes (the `Lane` protocol):
 
 - when every rank of the pipe runs on this host and the stages are on CPUs, shared memory
   (engine/distributed/shm_lane.py): payloads in slots of /dev/shm, headers through a FIFO that the
@@ -25,7 +25,7 @@ import socket
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Protocol
 
 import torch
 import torch.distributed as dist
@@ -43,6 +43,20 @@ POLL_SECONDS = 0.05                            # how often a waiting rank looks 
 NOTE_CHARS = 2000                              # the longest failure note a rank posts or reads (text only)
 LANES = ("auto", "shm", "gloo")
 _serials = itertools.count()                   # pipes made in this process: the same order on every rank
+
+
+class Lane(Protocol):
+    """How messages move between this rank and its neighbouring stages (shm_lane.ShmLane, gloo_lane.GlooLane)."""
+
+    name: str                                   # what the trace says: "shared memory", "gloo" or "gloo+nccl"
+    error: Optional[tuple]                      # (peer, error) a background thread met, else None
+
+    def begin(self) -> None: ...                # a new call starts
+    def post(self, destination: int, step: int, kind: str, micro: int, chunk: int, decision, value) -> None: ...
+    def receive(self, timeout: float) -> list: ...  # what arrived (wire.Arrival), [] after `timeout` seconds
+    def abandon(self) -> None: ...              # the call failed: let go of transfers a failed peer will not match
+    def close(self, step: int) -> None: ...     # end threads, files and groups (every rank calls it)
+    # clock_offset(remote ranks) -> seconds: only lanes that may reach other hosts (gloo)
 
 
 @dataclass(frozen=True)
@@ -187,7 +201,7 @@ class ProcessTransport:
         self.store = dist.PrefixStore(f"{'-'.join(map(str, members))}/", world.store)
         clocks = [world.clocks[member] for member in members]
         peers = sorted({p for p in (upstream, downstream) if p is not None and p != ranks.rank})
-        self.lane = self._open_lane(world, members, peers, wraps=wraps)
+        self.lane: Lane = self._open_lane(world, members, peers, wraps=wraps)
         remote = [r for r in range(1, ranks.size) if clocks[r] != clocks[0]]
         self.clock_offset = self.lane.clock_offset(remote) if remote else 0.0
         self.step = -1
@@ -198,7 +212,7 @@ class ProcessTransport:
         self._log: list[tuple] = []                   # Logged fields, as tuples
         self._closed = False
 
-    def _open_lane(self, world: "World", members: list[int], peers: list[int], wraps: bool):
+    def _open_lane(self, world: "World", members: list[int], peers: list[int], wraps: bool) -> Lane:
         """Shared memory when every rank of the world is on this host and every stage on a CPU
         (unless GPIPE_LANE says gloo), else gloo (and NCCL between GPUs). Every rank of the world
         decides alike, from what they all told the Store, since gloo's and NCCL's groups are made
