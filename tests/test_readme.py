@@ -1,4 +1,6 @@
-"""The README's promises that a test can check: CI runs its test command verbatim."""
+"""The README's promises that a test can check: CI runs its test command verbatim, the README stays a
+front door of at most 250 lines, every relative link in README.md and docs/*.md resolves, and the layers
+call only downwards."""
 import re
 from pathlib import Path
 
@@ -22,13 +24,102 @@ def test_requirements_pin_cpu_friendly_torch():
     assert "torch==2.13.0" in (ROOT / "requirements.txt").read_text().splitlines()
 
 
+NOTEBOOKS_MAY_IMPORT = {"engine", "engine.schedule"}  # the API the lessons teach, and the schedules as data
+
+
 def test_ui_layers_only_call_lab_and_engine_knows_no_ui():
+    """The app calls only lab/; the notebooks call lab/ and the engine's public API (`from engine import
+    GPipe`, the schedules), never its internals; neither engine/ nor lab/ imports a UI library."""
     import json
-    sources = {"app.py": (ROOT / "app.py").read_text()}
+    assert not re.search(r"^\s*(from|import) engine", (ROOT / "app.py").read_text(), re.M), "app.py"
     for path in (ROOT / "notebooks").glob("*.ipynb"):
         cells = json.loads(path.read_text())["cells"]
-        sources[path.name] = "\n".join("".join(c["source"]) for c in cells if c["cell_type"] == "code")
-    for name, source in sources.items():
-        assert not re.search(r"^\s*(from|import) engine", source, re.M), name
+        source = "\n".join("".join(c["source"]) for c in cells if c["cell_type"] == "code")
+        for module in re.findall(r"^\s*(?:from|import) (engine[\w.]*)", source, re.M):
+            assert module in NOTEBOOKS_MAY_IMPORT, f"{path.name} imports {module}"
     for path in list((ROOT / "engine").glob("*.py")) + list((ROOT / "lab").glob("*.py")):
         assert not re.search(r"^\s*(from|import) (streamlit|ipywidgets|IPython)", path.read_text(), re.M), path.name
+
+
+README_MAX_LINES = 250
+
+
+def test_readme_is_a_front_door_of_at_most_250_lines():
+    lines = (ROOT / "README.md").read_text().splitlines()
+    assert len(lines) <= README_MAX_LINES, f"README.md has {len(lines)} lines; move detail into docs/"
+
+
+def markdown_pages():
+    return [ROOT / "README.md"] + sorted((ROOT / "docs").glob("*.md"))
+
+
+def without_code_blocks(text):
+    """The text without its fenced code blocks: a line there is neither a heading nor a link."""
+    return re.sub(r"^(```|~~~).*?^\1[^\n]*$", "", text, flags=re.S | re.M)
+
+
+def without_code(text):
+    """The text without code blocks and inline code spans."""
+    return re.sub(r"`[^`\n]*`", "", without_code_blocks(text))
+
+
+def github_slug(heading):
+    """The anchor GitHub gives a heading: lower case, punctuation dropped, spaces to hyphens."""
+    text = re.sub(r"!?\[([^\]]*)\]\([^)]*\)", r"\1", heading)  # a link in a heading keeps its text
+    text = re.sub(r"[^\w\- ]", "", text.strip().lower())
+    return text.replace(" ", "-")
+
+
+def anchors(path):
+    """Every heading's anchor in a page, numbered as GitHub numbers repeated headings (-1, -2, ...)."""
+    seen, found = {}, set()
+    for match in re.finditer(r"^#{1,6}[ \t]+(.+?)[ \t#]*$", without_code_blocks(path.read_text()), re.M):
+        slug = github_slug(match.group(1))
+        found.add(slug if slug not in seen else f"{slug}-{seen[slug]}")
+        seen[slug] = seen.get(slug, 0) + 1
+    return found
+
+
+def relative_links(path):
+    """(target, anchor) of every markdown link and image in a page whose target is not a URL."""
+    text = without_code(path.read_text())
+    targets = re.findall(r"!?\[[^\]]*\]\(\s*<?([^)\s>]*)>?(?:\s+\"[^\"]*\")?\s*\)", text)
+    targets += re.findall(r"^\s*\[[^\]]+\]:\s*<?(\S+?)>?(?:\s+.*)?$", text, re.M)  # reference definitions
+    for target in targets:
+        if re.match(r"^[a-z][a-z0-9+.-]*:", target, re.I) or target.startswith("//"):
+            continue  # http:, https:, mailto: ...
+        file, _, anchor = target.partition("#")
+        yield file, anchor
+
+
+def broken_links(pages, root=ROOT):
+    """A line per relative link or image of `pages` whose file, or whose anchor in it, does not exist."""
+    broken = []
+    for page in pages:
+        for file, anchor in relative_links(page):
+            target = (page.parent / file).resolve() if file else page
+            if not target.exists():
+                broken.append(f"{page.relative_to(root)}: {file} does not exist")
+            elif anchor and target.suffix == ".md" and anchor not in anchors(target):
+                broken.append(f"{page.relative_to(root)}: {file or page.name}#{anchor} has no such heading")
+    return broken
+
+
+def test_every_relative_link_and_anchor_in_the_docs_resolves():
+    pages = markdown_pages()
+    assert len(pages) > 1, "docs/*.md missing"
+    assert not broken_links(pages), "\n".join(broken_links(pages))
+
+
+def test_the_link_checker_sees_links_and_github_anchors(tmp_path):
+    assert github_slug("The app: `streamlit run app.py`") == "the-app-streamlit-run-apppy"
+    assert github_slug('What "exact" means') == "what-exact-means"
+    assert github_slug("`lab.train`") == "labtrain"
+    links = list(relative_links(ROOT / "README.md"))
+    assert ("docs/app.png", "") in links and ("docs/engine.md", "what-exact-means") in links
+    assert "schedules-after-gpipe" in anchors(ROOT / "docs" / "engine.md")
+    page = tmp_path / "page.md"
+    page.write_text("# Top\n## Top\n[a](#top-1) [b](#nowhere) ![c](missing.png) [d](https://x.org/y)\n"
+                    "```\n[e](in-a-code-block.md)\n```\n`[f](in-code.md)` [g](page.md#top)\n")
+    assert broken_links([page], tmp_path) == ["page.md: page.md#nowhere has no such heading",
+                                              "page.md: missing.png does not exist"]
