@@ -123,3 +123,39 @@ def test_the_link_checker_sees_links_and_github_anchors(tmp_path):
                     "```\n[e](in-a-code-block.md)\n```\n`[f](in-code.md)` [g](page.md#top)\n")
     assert broken_links([page], tmp_path) == ["page.md: page.md#nowhere has no such heading",
                                               "page.md: missing.png does not exist"]
+
+
+def named_paths_and_modules(page):
+    """The project's files (`engine/...`, `lab/...`, `tests/...`, ...) and modules (`python -m lab.x`)
+    that a page names in its code spans and blocks."""
+    text = page.read_text()
+    paths = re.findall(r"(?<![\w./-])((?:engine|lab|tests|notebooks|docs|\.streamlit|\.ci)/[\w./-]*[\w/])", text)
+    modules = re.findall(r"(?:python -m|torchrun[^`\n]*? -m) ((?:engine|lab)(?:\.\w+)+)", text)
+    return {p.split("::")[0] for p in paths}, set(modules)
+
+
+def test_every_file_and_module_the_docs_name_exists():
+    missing = []
+    for page in markdown_pages():
+        paths, modules = named_paths_and_modules(page)
+        missing += [f"{page.relative_to(ROOT)}: {p}" for p in sorted(paths) if not (ROOT / p).exists()]
+        for module in sorted(modules):
+            base = ROOT / module.replace(".", "/")
+            if not (base.with_suffix(".py").exists() or (base / "__main__.py").exists()):
+                missing.append(f"{page.relative_to(ROOT)}: python -m {module}")
+    assert not missing, "\n".join(missing)
+
+
+def test_every_file_the_layout_page_lists_exists():
+    """docs/layout.md names files by their bare names under a heading that names their folder."""
+    missing, folder = [], None
+    for line in (ROOT / "docs" / "layout.md").read_text().splitlines():
+        heading = re.match(r"^## `([\w/]+)/`", line)
+        if heading:
+            folder = ROOT / heading.group(1)
+        elif line.startswith("## "):
+            folder = None
+        elif folder is not None and line.startswith("|"):
+            missing += [f"{folder.relative_to(ROOT)}/{name}" for name in re.findall(r"`(\w+\.py)`", line)
+                        if not (folder / name).exists()]
+    assert not missing, "docs/layout.md lists files that do not exist: " + ", ".join(missing)
