@@ -43,7 +43,10 @@ from engine.schedule import SCHEDULES, Task, upstream
 from . import host
 from .allreduce import time_all_reduce
 from .config import nvidia_smi
+from .exactness import unpipelined_gradients
 from .launch import ROOT, free_port
+from .models import build_mlp, mlp_batch
+from .stepper import Stepper
 
 Check = Callable[[], str]   # returns what it saw; raises (AssertionError or any error) if it failed
 BATCH, MICRO = 16, 4
@@ -104,37 +107,32 @@ def gpu_facts() -> list[tuple[str, str]]:
 
 # --- what every check trains -------------------------------------------------------------------
 
-def tanh_stack(layers: int = 6, width: int = 32, dtype: torch.dtype = torch.float32, seed: int = 0) -> nn.Sequential:
-    """A small Linear/Tanh stack, built alike from the seed: the model every check trains."""
-    torch.manual_seed(seed)
-    return nn.Sequential(*[nn.Sequential(nn.Linear(width, width), nn.Tanh()) for _ in range(layers - 1)],
-                         nn.Linear(width, 4)).to(dtype)
+CHECK_MODEL = "lab.models:build_mlp"   # by name: stage processes build it too
+LOSS = nn.functional.mse_loss
+
+
+def check_model(width: int = 32) -> dict:
+    """The recipe of the model every check trains: six Linear/Tanh blocks (smooth gradients)."""
+    return dict(blocks=6, width=width, activation="tanh")
 
 
 def batch(width: int = 32, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
-    """The check model's mini-batch: inputs and class targets, the same on every call."""
-    generator = torch.Generator().manual_seed(1)
-    return torch.randn(BATCH, width, generator=generator, dtype=dtype), torch.randint(0, 4, (BATCH,), generator=generator)
+    """The check model's mini-batch (lab.models.mlp_batch), the same on every call."""
+    return tuple(t.to(dtype) for t in mlp_batch(BATCH, width, seed=1))
 
 
 def gradients(devices, stages: int, dtype=torch.float32, **options) -> tuple[list[torch.Tensor], object]:
     """The gradients (on the CPU) and trace of one step of the check model as K stages on `devices`."""
-    model = tanh_stack(dtype=dtype)
-    x, y = batch(dtype=dtype)
-    pipe = GPipe(model, stages, devices=devices, chunks=MICRO, threads_per_stage=1, **options)
-    try:
-        pipe.step(x, y, nn.functional.cross_entropy)
-        return [p.grad.detach().cpu() for p in model.parameters()], pipe.trace
-    finally:
-        pipe.close()
+    model = build_mlp(**check_model()).to(dtype)
+    with Stepper(CHECK_MODEL, check_model(), stages, model=model, devices=devices, chunks=MICRO,
+                 threads_per_stage=1, **options) as stepper:
+        _, trace, _ = stepper.step(*batch(dtype=dtype), LOSS)
+        return stepper.gradients(), trace
 
 
 def unpipelined(dtype=torch.float64) -> list[torch.Tensor]:
     """The same step on the whole mini-batch, no pipeline: the reference every schedule must give."""
-    model = tanh_stack(dtype=dtype)
-    x, y = batch(dtype=dtype)
-    nn.functional.cross_entropy(model(x), y).backward()
-    return [p.grad.detach() for p in model.parameters()]
+    return unpipelined_gradients(build_mlp(**check_model()), *batch(), LOSS, dtype)
 
 
 def largest_difference(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
@@ -198,26 +196,23 @@ def threads_equal_one_stage() -> str:
 
 
 def processes_equal_threads(lane: str = "auto", device: str = "cpu") -> Check:
-    """K=2 as two stage processes (ProcessPool, the model built from this module by name) against
-    the same step as threads on the same devices: the losses must be equal, bit for bit on the CPU,
-    within GPU_TOLERANCE on GPUs. The processes run first: in EXCLUSIVE_PROCESS mode they need GPUs
-    that no context of this process holds yet."""
+    """K=2 as two stage processes (ProcessPool, the check model built by name) against the same step
+    as threads on the same devices: the losses must be equal, bit for bit on the CPU, within
+    GPU_TOLERANCE on GPUs. The processes run first: in EXCLUSIVE_PROCESS mode they need GPUs that no
+    context of this process holds yet."""
     def check() -> str:
         from engine.distributed.pool import ProcessPool
         x, y = batch()
         with ProcessPool(2, timeout=120, lane=lane, device=device) as pool:
-            pool.build("lab.doctor:tanh_stack", {}, chunks=MICRO)
-            loss = pool.step(x, y, nn.functional.cross_entropy).cpu()
-            used = pool.trace.lane
-        threads = GPipe(tanh_stack(), 2, devices=device, chunks=MICRO, threads_per_stage=1)
-        expected = threads.step(x, y, nn.functional.cross_entropy).cpu()
-        threads.close()
+            loss, trace, _ = Stepper(CHECK_MODEL, check_model(), 2, pool=pool, chunks=MICRO).step(x, y, LOSS)
+        with Stepper(CHECK_MODEL, check_model(), 2, devices=device, chunks=MICRO, threads_per_stage=1) as threads:
+            expected, _, _ = threads.step(x, y, LOSS)
         if device == "cpu":
-            assert torch.equal(loss, expected), f"processes' loss {loss.item()!r}, threads' {expected.item()!r}"
-            return f"K=2 as two processes on {device} ({used} lane): the threads' loss bit for bit"
-        apart = relative_difference([loss], [expected])
-        assert apart <= GPU_TOLERANCE, f"processes' loss {loss.item()!r}, threads' {expected.item()!r}"
-        return (f"K=2 as two processes on {device} ({used} lane): the threads' loss within {apart:.0e} "
+            assert loss == expected, f"processes' loss {loss!r}, threads' {expected!r}"
+            return f"K=2 as two processes on {device} ({trace.lane} lane): the threads' loss bit for bit"
+        apart = abs(loss - expected) / abs(expected)
+        assert apart <= GPU_TOLERANCE, f"processes' loss {loss!r}, threads' {expected!r}"
+        return (f"K=2 as two processes on {device} ({trace.lane} lane): the threads' loss within {apart:.0e} "
                 f"(tolerance {GPU_TOLERANCE:g})")
     return check
 
@@ -279,11 +274,11 @@ def hop_to_host() -> str:
 def serial_alone() -> str:
     """A serial step on the GPUs runs one task at a time: no two overlap (beyond the origin skew)."""
     slack = trace_slack("cuda")
-    model = tanh_stack(width=256)
-    x, y = torch.randn(256, 256), torch.randint(0, 4, (256,))
+    model = build_mlp(**check_model(width=256))
+    x, y = mlp_batch(256, 256)
     pipe = GPipe(model, 2, devices="cuda", chunks=MICRO)
     try:
-        pipe.step(x, y, nn.functional.cross_entropy, serial=True)
+        pipe.step(x, y, LOSS, serial=True)
         events = sorted(pipe.trace.events, key=lambda e: e.start)
     finally:
         pipe.close()

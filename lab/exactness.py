@@ -1,7 +1,7 @@
 """Checks that pipelining changes the schedule and not the math, as tables a notebook can show."""
 from __future__ import annotations
 
-from typing import Iterable
+from typing import Iterable, Optional
 
 import torch
 from torch import nn
@@ -9,7 +9,7 @@ from torch import nn
 from engine import GPipe
 
 from .config import RunConfig
-from .experiments import build, train
+from .experiments import build, training_curve
 
 
 def pipeline_gradients(config: RunConfig, stages: int, checkpoint: str) -> list[torch.Tensor]:
@@ -24,14 +24,18 @@ def pipeline_gradients(config: RunConfig, stages: int, checkpoint: str) -> list[
     return [p.grad.clone() for p in model.parameters()]
 
 
-def unpipelined_gradients(config: RunConfig, dtype: torch.dtype = torch.float32) -> list[torch.Tensor]:
-    """Gradients of the same loss on the whole mini-batch, one device, no pipeline, dropout off
-    (its masks depend on the random stream, which differs from the pipeline's by design)."""
-    model, (inputs, targets), loss_fn = build(config)
-    model = model.to(dtype).eval() if _has_dropout(model) else model.to(dtype)
-    x = inputs.to(dtype) if inputs.is_floating_point() else inputs
-    loss_fn(model(x), targets).backward()
-    return [p.grad for p in model.parameters()]
+def unpipelined_gradients(model: nn.Module, inputs, targets, loss_fn, dtype: Optional[torch.dtype] = None) \
+        -> list[torch.Tensor]:
+    """The reference a pipelined step is checked against: the gradients of `loss_fn` on the whole
+    mini-batch through `model`, one device, no pipeline (model and floating-point data in `dtype`
+    if given). Without dropout only: its masks depend on the random stream, which differs from the
+    pipeline's by design."""
+    if dtype is not None:
+        model = model.to(dtype)
+        inputs, targets = (t.to(dtype) if t.is_floating_point() else t for t in (inputs, targets))
+    model.zero_grad(set_to_none=True)
+    loss_fn(model(inputs), targets).backward()
+    return [p.grad.detach() for p in model.parameters()]
 
 
 def compare(config: RunConfig, stage_counts: Iterable[int] = (1, 2, 4),
@@ -39,7 +43,8 @@ def compare(config: RunConfig, stage_counts: Iterable[int] = (1, 2, 4),
     """For every K and checkpoint mode: bitwise equal to K=1 without recompute? And the largest
     difference from the unpipelined whole-batch gradients (only meaningful without dropout)."""
     reference = pipeline_gradients(config, 1, "never")
-    whole = None if _has_dropout(build(config)[0]) else unpipelined_gradients(config)
+    model, (inputs, targets), loss_fn = build(config)
+    whole = None if _has_dropout(model) else unpipelined_gradients(model, inputs, targets, loss_fn)
     rows = []
     for stages in stage_counts:
         for checkpoint in checkpoints:
@@ -81,7 +86,7 @@ def batch_norm_statistics(config: RunConfig, stages: int) -> dict:
 
 def loss_curves(config: RunConfig, stage_counts: Iterable[int], steps: int) -> dict[str, list[float]]:
     """Training curves of the same model, data and seed for several K."""
-    return {f"K={k}": train(config.but(stages=k), steps) for k in stage_counts}
+    return {f"K={k}": training_curve(config.but(stages=k), steps) for k in stage_counts}
 
 
 def _has_dropout(model: nn.Module) -> bool:

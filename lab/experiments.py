@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import os
 import statistics
-import time
 from contextlib import contextmanager, nullcontext
 from dataclasses import asdict, dataclass, field
 from typing import Callable, Iterable, Iterator, Optional, Union
@@ -25,7 +24,9 @@ from engine.trace import Event, Message, Trace
 
 from . import host, models, processes, theory
 from .config import RunConfig, baseline_of, check, micro_batch_count
+from .stepper import Stepper
 
+RECIPE = "lab.models:build"   # a zoo model by name: what stage processes build
 
 
 @dataclass
@@ -197,17 +198,17 @@ def run(config: RunConfig, on_event: Optional[Callable] = None, replay: Union[bo
     balance = choose_balance(config, model, inputs)
     replayed = replay == "always" or (bool(replay) and config.stages > parallel_devices(config))
     single = baseline_of(config)
-    with _stepper(config, model, balance, (inputs, targets, loss_fn), on_wait) as step, \
-            (_stepper(single, build(single)[0], [config.layers], (inputs, targets, loss_fn), None)
-             if baseline else nullcontext()) as single_step:
+    with stepper(config, balance, model, on_wait) as pipe, \
+            (stepper(single, [config.layers]) if baseline else nullcontext()) as single_pipe:
         for number in range(warmup):
-            step(on_event if number == 0 else None)
-            if single_step is not None:
-                single_step(None)
+            pipe.step(inputs, targets, loss_fn, on_event if number == 0 else None)
+            if single_pipe is not None:
+                single_pipe.step(inputs, targets, loss_fn)
         measured = []
         for _ in range(rounds):
-            trace, loss, wall = step(None)
-            measured.append((trace, loss, wall, single_step(None)[0].makespan if single_step else None))
+            loss, trace, wall = pipe.step(inputs, targets, loss_fn)
+            measured.append((trace, loss, wall, single_pipe.step(inputs, targets, loss_fn)[1].makespan
+                             if single_pipe else None))
     trace, loss, wall, _ = sorted(measured, key=lambda m: m[0].makespan)[len(measured) // 2]
     solo = None
     if replayed:
@@ -230,31 +231,20 @@ def run(config: RunConfig, on_event: Optional[Callable] = None, replay: Union[bo
 
 
 @contextmanager
-def _stepper(config: RunConfig, model: nn.Sequential, balance: list[int], data: tuple,
-             on_wait: Optional[Callable]) -> Iterator[Callable]:
-    """A function that runs one training step of the configuration, `step(on_event)` -> (trace,
-    loss, seconds), on a pipe of this process or on the shared stage processes (held meanwhile)."""
-    inputs, targets, loss_fn = data
+def stepper(config: RunConfig, balance: list[int], model: Optional[nn.Sequential] = None,
+            on_wait: Optional[Callable] = None, optimizer: Optional[tuple[str, dict]] = None) -> Iterator[Stepper]:
+    """The configuration's pipe as a lab.stepper.Stepper, cut by `balance`: its stages as threads of
+    this process (on `model` if given, the configuration's model built here) or, with
+    `transport="processes"`, on the shared stage processes (held meanwhile; `on_wait` is called if
+    another run holds them)."""
+    recipe = dict(name=config.model, blocks=config.blocks, width=config.width, seed=config.seed)
     if config.transport == "processes":
-        recipe = dict(name=config.model, blocks=config.blocks, width=config.width, seed=config.seed)
         with processes.pool_for(config.stages, config.threads_per_stage, on_wait, config.device) as pool:
-            pool.build("lab.models:build", recipe, balance=balance, **pipe_options(config))
-
-            def step_in_processes(on_event):
-                loss = pool.step(inputs, targets, loss_fn, on_event=on_event).item()
-                return pool.trace, loss, pool.seconds
-            yield step_in_processes
+            yield Stepper(RECIPE, recipe, balance, pool=pool, optimizer=optimizer, **pipe_options(config))
         return
-    pipe = pipeline(config, model, balance)
-
-    def step_in_threads(on_event):
-        start = time.perf_counter()
-        loss = pipe.step(inputs, targets, loss_fn, on_event=on_event).item()
-        return pipe.trace, loss, time.perf_counter() - start
-    try:
-        yield step_in_threads
-    finally:
-        pipe.close()
+    with Stepper(RECIPE, recipe, balance, optimizer=optimizer, model=model, devices=devices_for(config),
+                 **pipe_options(config)) as threads:
+        yield threads
 
 
 def _boundary_traffic(config: RunConfig, trace: Trace, model: nn.Sequential, inputs, balance: list[int]):
@@ -357,7 +347,7 @@ def sweep(configs: Iterable[RunConfig], progress: Optional[Callable[[RunRecord],
     return records
 
 
-def train(config: RunConfig, steps: int, lr: float = 3e-3) -> list[float]:
+def training_curve(config: RunConfig, steps: int, lr: float = 3e-3) -> list[float]:
     """Train the configuration's model with Adam for `steps` steps through the pipeline (its
     stages as threads or as the shared stage processes); the losses.
 
@@ -366,23 +356,7 @@ def train(config: RunConfig, steps: int, lr: float = 3e-3) -> list[float]:
     check(config)
     zoo = models.get(config.model)
     model = zoo.build(config.blocks, config.width, config.seed)
-    inputs, _ = zoo.batch(config.batch, config.width, config.seed)
-    balance = choose_balance(config, model, inputs)
+    balance = choose_balance(config, model, zoo.batch(config.batch, config.width, config.seed)[0])
     batches = [zoo.batch(config.batch, config.width, config.seed + 1 + step) for step in range(steps)]
-    if config.transport == "processes":
-        recipe = dict(name=config.model, blocks=config.blocks, width=config.width, seed=config.seed)
-        with processes.pool_for(config.stages, config.threads_per_stage, device=config.device) as pool:
-            pool.build("lab.models:build", recipe, balance=balance, optimizer=("torch.optim.Adam", {"lr": lr}),
-                       **pipe_options(config))
-            return [pool.step(x, y, zoo.loss_fn).item() for x, y in batches]
-    pipe = pipeline(config, model, balance)
-    optimizer = torch.optim.Adam(pipe.parameters(), lr=lr)
-    losses = []
-    try:
-        for x, y in batches:
-            optimizer.zero_grad()
-            losses.append(pipe.step(x, y, zoo.loss_fn).item())
-            optimizer.step()
-    finally:
-        pipe.close()
-    return losses
+    with stepper(config, balance, model, optimizer=("torch.optim.Adam", {"lr": lr})) as pipe:
+        return [pipe.step(x, y, zoo.loss_fn)[0] for x, y in batches]

@@ -38,11 +38,17 @@ class ZooModel(ModelCard):
 
 # --- uniform MLP ------------------------------------------------------------------------------
 
-def build_mlp(blocks: int, width: int, seed: int = 0, dropout: float = 0.0) -> nn.Sequential:
-    """`blocks` x (Linear(width, width) + ReLU [+ Dropout]), each block one pipeline layer."""
+ACTIVATIONS = {"relu": nn.ReLU, "tanh": nn.Tanh}
+
+
+def build_mlp(blocks: int, width: int, seed: int = 0, dropout: float = 0.0, activation: str = "relu") -> nn.Sequential:
+    """`blocks` x (Linear(width, width) + activation [+ Dropout]), each block one pipeline layer: the
+    zoo's "mlp", the benchmark's stack, the peers' workload and, with "tanh" (smooth gradients,
+    no kinks for float64 comparisons), the model lab.doctor's checks train."""
     torch.manual_seed(seed)
     extra = [nn.Dropout(dropout)] if dropout else []
-    return nn.Sequential(*[nn.Sequential(nn.Linear(width, width), nn.ReLU(), *extra) for _ in range(blocks)])
+    return nn.Sequential(*[nn.Sequential(nn.Linear(width, width), ACTIVATIONS[activation](), *extra)
+                           for _ in range(blocks)])
 
 
 def mlp_batch(size: int, width: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:

@@ -18,15 +18,17 @@ from typing import Callable, Iterator, Optional
 import torch
 from torch import nn
 
-from engine import GPipe
 from engine.device import keep_freed_cpu_memory
 from engine.distributed.children import Children
 from engine.distributed.local import Meeting, join
 from engine.distributed.pool import ProcessPool
 
 from . import models, theory
+from .exactness import unpipelined_gradients
+from .stepper import Stepper
 
 BASELINE = "one core, no pipeline"
+RECIPE = "lab.models:build_mlp"   # the workload's model, by name: stage processes build it too
 
 
 @dataclass(frozen=True)
@@ -62,14 +64,6 @@ class Result:
     @property
     def seconds(self) -> float:
         return statistics.median(self.times)
-
-
-def reference_grads(work: Workload) -> list[torch.Tensor]:
-    """Gradients of the mean-squared error on the whole batch, one device, no pipeline."""
-    model = work.model()
-    x, y = work.data()
-    nn.functional.mse_loss(model(x), y).backward()
-    return [p.grad for p in model.parameters()]
 
 
 def _difference(grads: list[torch.Tensor], reference: list[torch.Tensor]) -> float:
@@ -116,12 +110,34 @@ def single_device(work: Workload, micro: int, checkpoint: str) -> InProcess:
     return InProcess(BASELINE, model, train, threads=1)
 
 
-def ours(work: Workload, micro: int, checkpoint: str) -> InProcess:
+class Ours:
+    """This project's engine as a contender: a Stepper of the workload at one M, its two stages as
+    threads (one core each) or in the race's stage processes; a step's time is the stepper's."""
+
+    def __init__(self, name: str, work: Workload, stepper: Stepper):
+        self.name, self.stepper, self.data = name, stepper, work.data()
+
+    def step(self) -> float:
+        return self.stepper.step(*self.data, nn.functional.mse_loss)[2]
+
+    def grads(self) -> list[torch.Tensor]:
+        return self.stepper.gradients()
+
+    def close(self) -> None:
+        self.stepper.close()
+
+
+def ours(work: Workload, micro: int, checkpoint: str) -> Ours:
     """This project's engine: K=2 stages, one thread (core) each."""
-    model, (x, y) = work.model(), work.data()
-    pipe = GPipe(model, 2, chunks=micro, checkpoint=checkpoint, threads_per_stage=1)
-    return InProcess("gpipe-lab engine, threads", model, lambda: pipe.step(x, y, nn.functional.mse_loss),
-                     close=pipe.close)
+    return Ours("gpipe-lab engine, threads", work,
+                Stepper(RECIPE, work.recipe, 2, chunks=micro, checkpoint=checkpoint, threads_per_stage=1))
+
+
+def ours_in_processes(pool: ProcessPool, work: Workload, micro: int, checkpoint: str) -> Ours:
+    """This project's engine with one process per stage: `pool`, kept for the whole race and
+    rebuilt at each M; a step's time is measured by the first stage's process."""
+    return Ours("gpipe-lab engine, processes", work,
+                Stepper(RECIPE, work.recipe, 2, pool=pool, chunks=micro, checkpoint=checkpoint))
 
 
 def torchgpipe_available() -> bool:
@@ -162,33 +178,6 @@ class PipeliningProcesses:
     def close(self) -> None:
         self.ranks.close()
         self.meeting.close()
-
-
-@dataclass
-class OursInProcesses:
-    """This project's engine with one process per stage (a local ProcessPool, kept for the whole
-    race and rebuilt at each M); a step's time is measured by the first stage's process."""
-
-    name = "gpipe-lab engine, processes"
-
-    def __init__(self, work: Workload, tuned_malloc: bool):
-        self.work = work
-        self.pool = ProcessPool(2, threads_per_stage=1, keep_freed_memory=tuned_malloc)
-        self.x, self.y = work.data()
-
-    def at(self, micro: int, checkpoint: str) -> "OursInProcesses":
-        self.pool.build("lab.models:build_mlp", self.work.recipe, chunks=micro, checkpoint=checkpoint)
-        return self
-
-    def step(self) -> float:
-        self.pool.step(self.x, self.y, nn.functional.mse_loss)
-        return self.pool.seconds
-
-    def grads(self) -> list[torch.Tensor]:
-        return self.pool.gradients()
-
-    def close(self) -> None:
-        pass  # the pool serves every M; closed when the race ends
 
 
 @dataclass
@@ -259,15 +248,15 @@ def race(work: Workload, micros: list[int], rounds: int, progress: Optional[Call
     process in the race, the peer's two included, gets the same malloc tuning (see
     engine.device.keep_freed_cpu_memory)."""
     tuned_malloc = keep_freed_cpu_memory()
-    reference = reference_grads(work)
+    reference = unpipelined_gradients(work.model(), *work.data(), nn.functional.mse_loss)
     builders = [single_device, ours] + ([torchgpipe_peer] if torchgpipe_available() else [])
     pipelining = PipeliningProcesses(work, tuned_malloc)
-    processes = None
+    pool = None
     try:
-        processes = OursInProcesses(work, tuned_malloc)
+        pool = ProcessPool(2, threads_per_stage=1, keep_freed_memory=tuned_malloc)
         for micro in micros:
             contenders = [build(work, micro, checkpoint) for build in builders] + \
-                [processes.at(micro, checkpoint), pipelining.at(micro)]
+                [ours_in_processes(pool, work, micro, checkpoint), pipelining.at(micro)]
             try:
                 times: list[list[float]] = [[] for _ in contenders]
                 for round_ in range(rounds + 1):
@@ -284,8 +273,8 @@ def race(work: Workload, micros: list[int], rounds: int, progress: Optional[Call
                     contender.close()
     finally:
         pipelining.close()
-        if processes is not None:
-            processes.pool.close()
+        if pool is not None:
+            pool.close()
 
 
 def table_rows(results: list[Result], batch: int) -> list[dict]:
