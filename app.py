@@ -52,7 +52,7 @@ def speedup_cells(config: RunConfig) -> list:
 def schedule_runs(config: RunConfig) -> tuple[list, list[str]]:
     """The four schedules at these settings (and why any was left out); cached."""
     skipped: list[str] = []
-    return list(schedules.compare(config, virtual=max(2, config.virtual_stages), skipped=skipped)), skipped
+    return list(schedule_race.compare(config, virtual=max(2, config.virtual_stages), skipped=skipped)), skipped
 
 
 @st.cache_data(max_entries=20, show_spinner=False)
@@ -385,7 +385,7 @@ def open_page() -> tuple[Optional[RunConfig], object]:
         return None, None
     chart = st.empty()
     if not measured(config):
-        sketch = replay.theory(config.stages, micro_batch_count(config), config.checkpoint, schedule=config.schedule,
+        sketch = replay.unit_cost(config.stages, micro_batch_count(config), config.checkpoint, schedule=config.schedule,
                                virtual=config.virtual_stages)
         # an SVG, not Plotly: the browser draws it before it has loaded Plotly's script (seconds here)
         chart.markdown(charts.gantt_svg(sketch, f"{sketch.label}: measuring this host now..."), unsafe_allow_html=True)
@@ -420,7 +420,7 @@ if "torch" not in sys.modules:
     # the theory diagram first (on 2 cores the diagram then shows after ~6 s instead of ~8 s).
     time.sleep(BROWSER_HEAD_START_SECONDS)
 # Only now the engine and torch load (seconds, the first time this server runs the page).
-from lab import processes, schedules, speedup, tables  # noqa: E402
+from lab import processes, schedule_race, speedup, tables  # noqa: E402
 from lab.experiments import RunRecord, run  # noqa: E402
 from lab.processes import StageProcessError  # noqa: E402
 

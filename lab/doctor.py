@@ -404,7 +404,7 @@ def isolated(name: str, deadline: Optional[float] = None) -> Check:
     return check
 
 
-def plan(cli: bool = True, deadline: Optional[float] = None) -> tuple[list[tuple[str, Check]], list[str]]:
+def checklist(cli: bool = True, deadline: Optional[float] = None) -> tuple[list[tuple[str, Check]], list[str]]:
     """The checks for this host, and lines saying what was left out and why."""
     checks = list(CPU_ROWS.items())
     skipped = []
@@ -561,7 +561,7 @@ def main(argv=None) -> int:
     facts = versions()
     for what, value in facts:
         print(f"{what:<18} {value}")
-    checks, skipped = plan(cli=not (args.no_cli or args.report), deadline=deadline)
+    checks, skipped = checklist(cli=not (args.no_cli or args.report), deadline=deadline)
     print(f"\n{'check':<30} {'':<5} {'time':>8}  what it saw")
     rows = run_checks(checks, on_row=lambda row: print(format_row(row), flush=True))
     for line in skipped:

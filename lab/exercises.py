@@ -706,26 +706,26 @@ def _layout(choice) -> tuple[int, int]:
 
 
 @_exercise
-def check_layout(choice: tuple, plan) -> str:
-    """choice = (D, K) for a lab.replicas.Plan: a layout of its workers that fits the memory and,
+def check_layout(choice: tuple, large_run) -> str:
+    """choice = (D, K) for a lab.replicas.LargeRun: a layout of its workers that fits the memory and,
     among those, the fastest step."""
     _attempted(choice, "MY_LAYOUT = ...")
     replicas, stages = _layout(choice)
-    if replicas * stages != plan.workers:
-        raise Feedback(f"{replicas} x {stages} = {replicas * stages} workers, but there are {plan.workers}: "
-                       f"every worker runs one stage of one replica, so D x K = {plan.workers}")
-    rows = {(r["D"], r["K"]): r for r in plan.table()}
+    if replicas * stages != large_run.workers:
+        raise Feedback(f"{replicas} x {stages} = {replicas * stages} workers, but there are {large_run.workers}: "
+                       f"every worker runs one stage of one replica, so D x K = {large_run.workers}")
+    rows = {(r["D"], r["K"]): r for r in large_run.table()}
     if (replicas, stages) not in rows:
-        raise Feedback(f"{(replicas, stages)} cannot split the global batch of {plan.global_batch} into whole "
-                       f"micro-batches of {plan.micro_size} per replica, or has more stages than the model's "
-                       f"{plan.layers} layers")
-    row, best = rows[(replicas, stages)], rows[plan.best()]
-    if (stages, replicas) == plan.best() and replicas != stages:
+        raise Feedback(f"{(replicas, stages)} cannot split the global batch of {large_run.global_batch} into whole "
+                       f"micro-batches of {large_run.micro_size} per replica, or has more stages than the model's "
+                       f"{large_run.layers} layers")
+    row, best = rows[(replicas, stages)], rows[large_run.best()]
+    if (stages, replicas) == large_run.best() and replicas != stages:
         raise Feedback(f"{replicas} x {stages}: {SAYS['layout swapped']}")
     if not row["fits"]:
-        states = 16 * plan.params / stages / 1e9
+        states = 16 * large_run.params / stages / 1e9
         raise Feedback(f"{replicas} x {stages} needs {row['GB per worker']} GB per worker, more than the "
-                       f"{plan.memory / 1e9:.0f} GB each has: {states:.1f} GB of model states (16 bytes per parameter "
+                       f"{large_run.memory / 1e9:.0f} GB each has: {states:.1f} GB of model states (16 bytes per parameter "
                        f"over {stages} stage(s)) and {row['GB per worker'] - states:.1f} GB of activations and kept "
                        f"inputs")
     if row["step s"] > best["step s"] + 1e-9:

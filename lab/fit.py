@@ -199,7 +199,7 @@ LADDER = (("naive, K=1, no recompute", 1, "never"), ("K=1 with recompute", 1, "a
           ("pipeline K=8, recompute", 8, "always"))
 
 
-def plan(base: RunConfig, budget: int, stages=(1, 2, 4), micro=(1, 2, 4, 8), checkpoints=("never", "always")) -> list[dict]:
+def predict(base: RunConfig, budget: int, stages=(1, 2, 4), micro=(1, 2, 4, 8), checkpoints=("never", "always")) -> list[dict]:
     """Predict, before running anything big, each (K, M, recompute): the bytes of the most loaded
     stage (16 bytes per parameter for weights, gradients and Adam's moments, plus the activation
     formula fed with per-layer sizes measured on one micro-batch) and the time per mini-batch in the

@@ -15,7 +15,7 @@ from typing import Optional
 from engine.schedule import SCHEDULES, check_schedule, timeline
 from engine.trace import Event, Message, Reduction, Trace
 
-from . import theory as theory_model
+from . import theory
 
 
 
@@ -85,12 +85,12 @@ def ideal_replay(events: list[dict], stages: int, micro_batches: int, checkpoint
                      label, "s", schedule, virtual)
 
 
-def theory(stages: int, micro_batches: int, checkpoint: str = "never", costs: Optional[dict] = None,
+def unit_cost(stages: int, micro_batches: int, checkpoint: str = "never", costs: Optional[dict] = None,
            schedule: str = "gpipe", virtual: int = 1) -> Timeline:
     """The textbook diagram with unit costs (a stage's forward 1, backward 2, recompute 1; with
     zb-h1 the backward splits into B 1 and W 1; an interleaved chunk does 1/v of it), for any
     schedule of the engine."""
-    costs = costs or theory_model.unit_costs(schedule, virtual)
+    costs = costs or theory.unit_costs(schedule, virtual)
     label = "theory (unit costs)" if schedule == "gpipe" else f"theory (unit costs), {schedule}"
     return _laid_out(stages, micro_batches, checkpoint, lambda k, task: costs[task.op], label, "time units",
                      schedule, virtual)
@@ -108,7 +108,7 @@ def of_record(record, view: str) -> Timeline:
         return ideal_replay(events, record.stages, record.micro_batches, config["checkpoint"], label,
                             config["schedule"], virtual)
     if view == "theory":
-        return theory(record.stages, record.micro_batches, config["checkpoint"], schedule=config["schedule"],
+        return unit_cost(record.stages, record.micro_batches, config["checkpoint"], schedule=config["schedule"],
                       virtual=virtual)
     raise ValueError(f"unknown view {view!r}; expected 'measured', 'ideal replay' or 'theory'")
 

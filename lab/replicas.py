@@ -4,7 +4,7 @@ at a fixed global batch B = b·M·D (b samples per micro-batch, M micro-batches 
 `compare` runs each layout of a few workers on this host: a replica's pipeline step for real (its
 task times measured one at a time and replayed on K devices, since a 2-core host cannot run K
 stages of D replicas at once), the bytes crossing cuts and the bytes all-reduced, the memory of a
-worker, and a gloo all-reduce of a stage's gradients among D processes, measured. `Plan` is the
+worker, and a gloo all-reduce of a stage's gradients among D processes, measured. `LargeRun` is the
 same trade-off at scale, in closed form, for choosing D and K for a large model.
 """
 from __future__ import annotations
@@ -61,7 +61,7 @@ def compare(base: RunConfig, workers: int, global_batch: int, micro_size: int,
 
 
 @dataclass(frozen=True)
-class Plan:
+class LargeRun:
     """A large training run to lay out: W workers of `memory` bytes each, a Transformer of `params`
     parameters in `layers` layers of width `width` with `heads` attention heads, a global batch of
     `global_batch` sequences of `sequence` tokens, micro-batches of `micro_size`. Every micro-batch

@@ -28,7 +28,7 @@ from tqdm import tqdm
 
 from engine.device import keep_freed_cpu_memory
 
-from . import fit, host, peers, schedules, speedup, theory
+from . import fit, host, peers, schedule_race, speedup, theory
 from .config import APP_DEFAULT, MEASURE_ROUNDS, RunConfig, measure_rounds
 from .config import check as check_config
 
@@ -236,7 +236,7 @@ def schedules_micro_batches(args) -> list[int]:
 def schedules_rows(args, progress) -> Iterator[dict]:
     base = schedules_config(args)
     for micro in schedules_micro_batches(args):
-        for result in schedules.compare(base.but(micro_batches=micro), virtual=args.virtual,
+        for result in schedule_race.compare(base.but(micro_batches=micro), virtual=args.virtual,
                                         progress=lambda name: progress(f"M={micro}: {name}")):
             yield {"schedule": result.schedule, "v": result.virtual, "M": micro, "how": result.how,
                    "bubble": round(result.timeline.bubble, 3), "bubble, theory": round(result.theory_bubble, 3),

@@ -106,7 +106,7 @@ def time_vs_one_device(stages: int, micro_batches: int, checkpoint: str = "never
     `checkpoint`, each task costing its unit (forward 1, recompute 1, backward 2) over K·M. Without
     recompute (M+K-1)/(KM); with it less than (M+K-1)(3+1)/(3KM), since stage k's recompute of a
     micro-batch needs only its kept input and runs while stage k+1 still computes the gradient it
-    waits for. The one time model of the lessons and of `fit.plan`."""
+    waits for. The one time model of the lessons and of `fit.predict`."""
     costs = unit_costs("gpipe")
     times = timeline(gpipe(stages, micro_batches, checkpoint),
                      lambda stage, task: costs[task.op] / (stages * micro_batches))

@@ -28,7 +28,7 @@ def test_the_doctor_passes_every_row_on_this_host_within_a_minute_listening_on_l
 def test_a_failing_check_is_a_fail_row_and_exit_code_one(monkeypatch, capsys):
     def broken() -> str:
         raise AssertionError("K=2 differs from K=1 by 1e-3")
-    monkeypatch.setattr(doctor, "plan", lambda cli, deadline: ([("fine", lambda: "ok"), ("broken", broken)],
+    monkeypatch.setattr(doctor, "checklist", lambda cli, deadline: ([("fine", lambda: "ok"), ("broken", broken)],
                                                                ["left out: x"]))
     assert doctor.main([]) == 1
     out = capsys.readouterr().out
@@ -50,6 +50,6 @@ def test_trace_order_finds_a_task_that_started_before_its_input_was_ready():
 
 @pytest.mark.skipif(not doctor.torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_the_gpu_rows_pass():
-    checks, _ = doctor.plan(cli=False)  # each GPU row in a process of its own
+    checks, _ = doctor.checklist(cli=False)  # each GPU row in a process of its own
     rows = doctor.run_checks(checks)
     assert all(row.passed for row in rows), [doctor.format_row(row) for row in rows if not row.passed]

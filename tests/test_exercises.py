@@ -232,9 +232,9 @@ JUNK = [3, 2.5, None, "an answer", b"bytes", [1, 2], {}, (x for x in range(3)), 
 
 @pytest.mark.parametrize("junk", JUNK, ids=range(len(JUNK)))
 def test_no_check_raises_whatever_it_is_given(junk):
-    from lab.replicas import Plan
+    from lab.replicas import LargeRun
     checks = [*REFERENCES, exercises.check_first_pipe, lambda a: exercises.check_plan(a, PLAN_ROWS),
-              lambda a: exercises.check_layout(a, Plan())]
+              lambda a: exercises.check_layout(a, LargeRun())]
     for check in checks:
         said = check(junk)
         assert isinstance(said, str) and said[0] in "✗…", said
@@ -264,23 +264,23 @@ def test_the_plan_check_names_what_would_be_faster():
 
 
 def test_the_layout_check_weighs_memory_then_time():
-    from lab.replicas import Plan
-    plan = Plan(selective=True)   # 2 x 4 fits and wins; with the attention's scores kept only 1 x 8 fits
-    assert plan.best() == (2, 4) and Plan().best() == (1, 8)
-    frame = pd.DataFrame(plan.table())
+    from lab.replicas import LargeRun
+    selective = LargeRun(selective=True)   # 2 x 4 fits and wins; with the attention's scores kept only 1 x 8 fits
+    assert selective.best() == (2, 4) and LargeRun().best() == (1, 8)
+    frame = pd.DataFrame(selective.table())
     row = frame[(frame["D"] == 2) & (frame["K"] == 4)].iloc[0]
     for right in ((2, 4), [2, 4], tuple(row[["D", "K"]]), np.array([2, 4]), torch.tensor([2, 4]), (2.0, 4.0),
                   {"D": 2, "K": 4}):
-        assert exercises.check_layout(right, plan).startswith("✓ 2 x 4: fits"), right
-    assert "4 workers, but there are 8" in exercises.check_layout((2, 2), plan)
-    assert "GB per worker, more than the 80 GB" in exercises.check_layout((8, 1), plan)
-    assert "but 2 x 4 also fits" in exercises.check_layout((1, 8), plan)
-    assert "needs 95.0 GB per worker" in exercises.check_layout((2, 4), Plan())
-    assert SAYS["layout swapped"] in exercises.check_layout((4, 2), plan)
-    assert SAYS["layout shape"] in exercises.check_layout("2x4", plan)
-    assert SAYS["layout shape"] in exercises.check_layout((2, 4.5), plan)
-    assert exercises.check_layout(..., plan).startswith("… not attempted yet")
-    slow_links = Plan(bandwidth=1e9, selective=True)   # the all-reduce outweighs the bubble it saves
+        assert exercises.check_layout(right, selective).startswith("✓ 2 x 4: fits"), right
+    assert "4 workers, but there are 8" in exercises.check_layout((2, 2), selective)
+    assert "GB per worker, more than the 80 GB" in exercises.check_layout((8, 1), selective)
+    assert "but 2 x 4 also fits" in exercises.check_layout((1, 8), selective)
+    assert "needs 95.0 GB per worker" in exercises.check_layout((2, 4), LargeRun())
+    assert SAYS["layout swapped"] in exercises.check_layout((4, 2), selective)
+    assert SAYS["layout shape"] in exercises.check_layout("2x4", selective)
+    assert SAYS["layout shape"] in exercises.check_layout((2, 4.5), selective)
+    assert exercises.check_layout(..., selective).startswith("… not attempted yet")
+    slow_links = LargeRun(bandwidth=1e9, selective=True)   # the all-reduce outweighs the bubble it saves
     assert slow_links.best() == (1, 8) and "costs more than the bubble it saves" in \
         exercises.check_layout((2, 4), slow_links)
 

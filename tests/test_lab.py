@@ -31,7 +31,7 @@ def test_activation_memory_model():
 
 @pytest.mark.parametrize("stages,micro", [(2, 1), (4, 4), (4, 16), (8, 32)])
 def test_theory_timeline_has_the_formula_bubble(stages, micro):
-    line = replay.theory(stages, micro)
+    line = replay.unit_cost(stages, micro)
     assert line.bubble == pytest.approx(theory.bubble(stages, micro))
     assert line.makespan == 3 * (stages + micro - 1)  # F=1 then B=2, K+M-1 cycles each way
 
@@ -47,7 +47,7 @@ def test_replay_of_uniform_measured_tasks_reproduces_the_theory_bubble():
 
 
 def test_gantt_has_one_trace_per_op_and_one_bar_per_task():
-    figure = charts.gantt(replay.theory(3, 4, "always"))
+    figure = charts.gantt(replay.unit_cost(3, 4, "always"))
     bars = {trace.name: trace for trace in figure.data}
     assert set(bars) == {"forward", "recompute", "backward"}
     assert all(len(bars[name].x) == 12 for name in bars)
@@ -55,7 +55,7 @@ def test_gantt_has_one_trace_per_op_and_one_bar_per_task():
     assert sorted(bars["forward"].text) == sorted(str(m) for m in list(range(4)) * 3)
     assert all(x > 0 for x in bars["backward"].x)
     assert "bubble" in figure.layout.title.text
-    no_recompute = charts.gantt(replay.theory(3, 4, "never"))
+    no_recompute = charts.gantt(replay.unit_cost(3, 4, "never"))
     assert [t.name for t in no_recompute.data] == ["forward", "backward"]
 
 
@@ -236,7 +236,7 @@ def test_processes_record_the_same_shape_plus_what_crossed_between_them():
 
 def test_gantt_of_processes_has_a_message_row_per_stage_and_the_boundary_chart():
     from engine.trace import Message
-    line = replay.theory(2, 2)
+    line = replay.unit_cost(2, 2)
     traced = replay.Timeline("measured (processes)", type(line.trace)(
         stages=2, events=line.trace.events,
         messages=[Message(0, 1, "send", "act", 0, 128, 1.0, 1.1), Message(1, 0, "receive", "act", 0, 128, 1.2, 1.3)]))
@@ -299,7 +299,7 @@ def test_the_gantt_draws_each_stages_all_reduce_after_its_tasks():
 def test_the_first_drawing_is_an_svg_gantt_of_the_same_timeline():
     """What the app shows before Plotly's script has loaded: the theory diagram as plain SVG."""
     from lab import charts, replay
-    line = replay.theory(3, 4, "except_last")
+    line = replay.unit_cost(3, 4, "except_last")
     svg = charts.gantt_svg(line, "theory <K=3>")
     assert svg.startswith('<svg class="gantt-sketch"') and svg.endswith("</svg>") and "theory &lt;K=3&gt;" in svg
     bars = [part for part in svg.split("<rect")[1:] if "<title>" in part]
