@@ -198,8 +198,8 @@ def run(config: RunConfig, on_event: Optional[Callable] = None, replay: Union[bo
     balance = choose_balance(config, model, inputs)
     replayed = replay == "always" or (bool(replay) and config.stages > parallel_devices(config))
     single = baseline_of(config)
-    with stepper(config, balance, model, on_wait) as pipe, \
-            (stepper(single, [config.layers]) if baseline else nullcontext()) as single_pipe:
+    with stepper_for(config, balance, model, on_wait) as pipe, \
+            (stepper_for(single, [config.layers]) if baseline else nullcontext()) as single_pipe:
         for number in range(warmup):
             pipe.step(inputs, targets, loss_fn, on_event if number == 0 else None)
             if single_pipe is not None:
@@ -231,8 +231,8 @@ def run(config: RunConfig, on_event: Optional[Callable] = None, replay: Union[bo
 
 
 @contextmanager
-def stepper(config: RunConfig, balance: list[int], model: Optional[nn.Sequential] = None,
-            on_wait: Optional[Callable] = None, optimizer: Optional[tuple[str, dict]] = None) -> Iterator[Stepper]:
+def stepper_for(config: RunConfig, balance: list[int], model: Optional[nn.Sequential] = None,
+                on_wait: Optional[Callable] = None, optimizer: Optional[tuple[str, dict]] = None) -> Iterator[Stepper]:
     """The configuration's pipe as a lab.stepper.Stepper, cut by `balance`: its stages as threads of
     this process (on `model` if given, the configuration's model built here) or, with
     `transport="processes"`, on the shared stage processes (held meanwhile; `on_wait` is called if
@@ -358,5 +358,5 @@ def training_curve(config: RunConfig, steps: int, lr: float = 3e-3) -> list[floa
     model = zoo.build(config.blocks, config.width, config.seed)
     balance = choose_balance(config, model, zoo.batch(config.batch, config.width, config.seed)[0])
     batches = [zoo.batch(config.batch, config.width, config.seed + 1 + step) for step in range(steps)]
-    with stepper(config, balance, model, optimizer=("torch.optim.Adam", {"lr": lr})) as pipe:
+    with stepper_for(config, balance, model, optimizer=("torch.optim.Adam", {"lr": lr})) as pipe:
         return [pipe.step(x, y, zoo.loss_fn)[0] for x, y in batches]
