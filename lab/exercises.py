@@ -59,6 +59,8 @@ SAYS = {
     # fill-drain order
     "schedule shape": "expected a list of K lists of task names such as \"F0\" and \"B3\", one list per stage",
     "flat list": "that is one flat list of tasks; expected one list per stage (K lists), each with that stage's tasks",
+    "stage strings": "each stage's tasks came as one string; expected a list of task names per stage, such as "
+                     "[\"F0\", \"F1\", \"B1\", \"B0\"]",
     "K and M swapped": "you made one list per micro-batch; expected one list per stage: K lists, each with 2M tasks",
     "task names": "name each task as a string: \"F\" or \"B\" and the micro-batch's number, as in \"F0\" and \"B3\"",
     "numbered from 0": "micro-batches are numbered from 0 to M-1, as range(M) gives them",
@@ -89,6 +91,10 @@ SAYS = {
     "micro-batch sizes": "run the model once on each of the M micro-batches of x.chunk(micro), one forward and "
                          "backward each",
     "no backward": "some parameters have no gradient: call .backward() on each micro-batch's loss",
+    "zeroed after": "the backward ran, but the gradients were zeroed afterwards: zero them once before the loop "
+                    "(here they start at zero), never after it",
+    "uneven weights": "the micro-batches did not each enter once with weight 1/M: run the loop over every "
+                      "micro-batch, each once, and scale each mean loss by 1/M",
     "unscaled": "each micro-batch's loss is a mean over its own samples, so the sum of M of them is M times the "
                 "batch's mean: scale each by 1/M before .backward()",
     "scaled twice": "the gradients are M times too small: scale each micro-batch's mean loss by 1/M once, not 1/M²",
@@ -129,6 +135,12 @@ SAYS = {
                          "backward too",
     "batch too small": "torch.chunk cannot cut a batch into more micro-batches than it has samples: give the step a "
                        "batch of at least 6 samples (a multiple of 6 makes them equal)",
+    "batch not divisible": "torch.chunk cuts N samples into pieces of ceil(N/6), which can make fewer than 6 (9 "
+                           "samples make 5 pieces of 2): give the step a batch that is a multiple of 6",
+    "forward after step": "my_pipe's last call was a forward (my_pipe(x)), whose trace replaced the step's: call "
+                          "my_pipe.step(inputs, targets, loss_fn) again, then run this check",
+    "step result": "my_pipe.step(...) returns the loss, not the pipe: keep my_pipe = GPipe(...) and call "
+                   "my_pipe.step(...) on its own line",
     # a plan
     "plan shape": "choice must be a dict with the keys stages, micro_batches and checkpoint",
     "plan not in table": "that setting is not among the table's rows: pick one of them",
@@ -141,6 +153,8 @@ SAYS = {
     # a layout
     "layout shape": "MY_LAYOUT must be a pair of whole numbers (D, K)",
     "layout swapped": "you swapped them: MY_LAYOUT is (D, K), replicas first, then stages",
+    # any check
+    "keywords": "pass your answer as the check's argument itself, as the notebook's check cell does",
 }
 
 
@@ -157,7 +171,9 @@ def _exercise(judge: Callable[..., str]) -> Callable[..., str]:
     returns the line to print instead of raising, and anything else a judge meets in a strange
     answer becomes a line too, saying what was expected."""
     @functools.wraps(judge)
-    def check(*answer) -> str:
+    def check(*answer, **named) -> str:
+        if named:
+            return f"✗ got {', '.join(f'{name}=...' for name in named)}: {SAYS['keywords']}"
         try:
             return judge(*answer)
         except NotAttempted as why:
@@ -191,7 +207,9 @@ def _called(fn: Callable, *args, returns: bool = True):
         raise Feedback(f"expected a function, got {type(fn).__name__}: {SAYS['not a function']}")
     try:
         result = fn(*args)
-    except (Exception, SystemExit) as error:
+    except KeyboardInterrupt:
+        raise
+    except BaseException as error:  # SystemExit, GeneratorExit...: whatever the learner's code raised
         raise Feedback(f"{_call_text(fn, args)} raised {type(error).__name__}: {error}. {SAYS['raised']}") from None
     if returns and (result is None or result is Ellipsis):
         raise NotAttempted(f"{_call_text(fn, args)} returned {result!r}: replace the `...` in it with your answer "
@@ -218,7 +236,10 @@ def _number(value) -> Optional[float]:
             value = value.item()
         if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
             return None
-        return float(value)
+        try:
+            return float(value)
+        except OverflowError:  # an int too large for a float is still a number: an infinitely wrong one
+            return math.copysign(math.inf, value)
     except (TypeError, ValueError, OverflowError, RuntimeError):
         return None
 
@@ -278,10 +299,13 @@ class Formula:
             return
         case, value = wrong[0]
         said = f"{self.where(case)}: got {_shown(value)}, expected {_shown(self.right(*case))}"
+        constant = len(set(got)) == 1
         for family, mistake in self.known():
             if all(_close(mine, _safely(mistake, c)) for c, mine in zip(self.cases, got)):
-                raise Feedback(f"{said}: {SAYS[family]}")
-        if len(set(got)) == 1:
+                # a constant that a mistake also gives: both are said, since either may be what was written
+                raise Feedback(f"{said}: {SAYS['constant'] + '; or, if it computes, ' if constant else ''}"
+                               f"{SAYS[family]}")
+        if constant:
             raise Feedback(f"{said}: {SAYS['constant']}")
         raise Feedback(f"{said}{': ' + self.hint if self.hint else ''}")
 
@@ -375,7 +399,8 @@ def check_fill_drain(fn: Callable[[int, int], list]) -> str:
         got = _listed(_called(fn, stages, micro), SAYS["schedule shape"])
         want = [[str(task) for task in tasks] for tasks in gpipe(stages, micro, "never")]
         if got and all(isinstance(t, str) for t in got):
-            raise Feedback(f"{where}: {SAYS['flat list']}")
+            spaced = len(got) == stages and any(len(t.split()) > 1 or len(t.split(",")) > 1 for t in got)
+            raise Feedback(f"{where}: {SAYS['stage strings' if spaced else 'flat list']}")
         got = [[str(t) for t in _listed(tasks, SAYS["schedule shape"])] for tasks in got]
         if len(got) != stages:
             swapped = len(got) == micro and all(len(tasks) == 2 * stages for tasks in got)
@@ -437,6 +462,8 @@ def check_checkpointed_stage(fn: Callable[[nn.Module, torch.Tensor], torch.Tenso
         raise Feedback(f"{ledger.peak:,} bytes kept: {SAYS['kept activations']}")
     out.sum().backward()
     got = [p.grad for p in block.parameters()] + [x.grad]
+    if x.grad is None and all(g is not None and torch.allclose(g, w, atol=1e-6) for g, w in zip(got[:-1], plain)):
+        raise Feedback(SAYS["detached input"])  # e.g. x.detach().requires_grad_(): a new leaf, not x
     if any(g is None or not torch.allclose(g, w, atol=1e-6) for g, w in zip(got, plain)):
         raise Feedback(SAYS["different gradients"])
     engine_grads, engine_peak = _engine_recompute(block, x.detach())
@@ -478,11 +505,15 @@ def check_accumulation(fn: Callable) -> str:
         each.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
     model.zero_grad(set_to_none=True)
     sizes: list[int] = []
+    backwards = []  # one entry per gradient autograd computed for a parameter
     hook = model.register_forward_pre_hook(lambda _, inputs: sizes.append(len(inputs[0])))
+    counters = [p.register_hook(lambda grad: backwards.append(1)) for p in model.parameters()]
     try:
         _called(fn, model, x, y, loss_fn, MICRO, returns=False)  # it accumulates into .grad
     finally:
         hook.remove()
+        for counter in counters:
+            counter.remove()
     if not sizes and all(p.grad is None for p in model.parameters()):
         raise NotAttempted(f"{getattr(fn, '__name__', 'your function')} ran no forward: replace the `...` in it "
                            f"with your answer, run that cell, then this one")
@@ -490,6 +521,9 @@ def check_accumulation(fn: Callable) -> str:
         family = ("whole batch" if sizes == [24] else "split for chunk" if sizes == [MICRO] * 6 else
                   "micro-batch sizes")
         raise Feedback(f"the model ran on batches of {sizes} samples: {SAYS[family]}")
+    wiped = all(p.grad is None or not p.grad.any() for p in model.parameters())
+    if backwards and wiped:
+        raise Feedback(SAYS["zeroed after"])
     if any(p.grad is None for p in model.parameters()):
         raise Feedback(SAYS["no backward"])
     got = torch.cat([p.grad.flatten() for p in model.parameters()]).double()
@@ -515,7 +549,7 @@ def _accumulation_mistake(got: torch.Tensor, each: torch.Tensor) -> str:
                 ("zero_grad inside", last + [1.0]), ("last one scaled", [1.0] * (MICRO - 1) + [1 / MICRO])]
     family = next((name for name, pattern in families if weighted(*pattern)), None)
     if family is None:
-        family = "wrong scale" if max(w) - min(w) < 1e-4 else "different accumulation"
+        family = "wrong scale" if max(w) - min(w) < 1e-4 else "uneven weights"
     return f"{shown}: {SAYS[family]}"
 
 
@@ -609,15 +643,23 @@ def check_best_cut(fn: Callable[[list, int], list]) -> str:
         yours.append(got)
         worst = max(_stage_costs(costs, got))
         if worst > best * (1 + 1e-9) + 1e-12:
-            tried = [(c, k) for c, k, _ in battery[:len(yours)]]
-            family = ("greedy cut" if all(g == greedy_cut(c, k) for g, (c, k) in zip(yours, tried)) else
-                      "variance cut" if all(g == variance_cut(c, k) for g, (c, k) in zip(yours, tried)) else
-                      "not the min-max")
+            family = next((name for name, rule in (("greedy cut", greedy_cut), ("variance cut", variance_cut))
+                           if _cuts_like(fn, rule)), "not the min-max")
             raise Feedback(f"costs {list(costs)}, K={stages}: your cut {got} has stages costing "
                            f"{[round(c, 4) for c in _stage_costs(costs, got)]}, the costliest {worst:g}; "
                            f"{solve(list(costs), stages)} gets the costliest down to {best:g}: {SAYS[family]}")
     return (f"✓ on {len(battery)} cost lists (4 to 12 layers, K from 2 to 6) your cut's costliest stage is the "
             f"cheapest possible, as balance_by_time's solver finds it")
+
+
+def _cuts_like(fn: Callable, rule: Callable[[Sequence[float], int], list[int]]) -> bool:
+    """Whether the learner's cut is `rule`'s on every list of SEPARATING_CUTS and the battery's
+    first lists: a family is named only when the cut behaves as that family does, not on one list."""
+    lists = [*SEPARATING_CUTS, *((list(c), k) for c, k, _ in cut_battery()[:20])]
+    try:
+        return all(_cut_counts(_called(fn, list(c), k), c, k) == rule(c, k) for c, k in lists)
+    except Feedback:
+        return False
 
 
 # --- pipes, plans and layouts ---------------------------------------------------------------------
@@ -626,6 +668,8 @@ def check_best_cut(fn: Callable[[list, int], list]) -> str:
 def check_first_pipe(pipe) -> str:
     """A pipe of 3 stages and 6 micro-batches over the learner's own model, after one step."""
     _attempted(pipe, "my_pipe = ...")
+    if isinstance(pipe, torch.Tensor):
+        raise Feedback(f"my_pipe is a Tensor: {SAYS['step result']}")
     if not isinstance(pipe, GPipe):
         raise Feedback(f"my_pipe is {type(pipe).__name__}: {SAYS['not a pipe']}")
     if pipe.stages != 3:
@@ -635,11 +679,12 @@ def check_first_pipe(pipe) -> str:
     if not pipe.trace.events:
         raise Feedback(SAYS["not run"])
     if not any(e.op == "B" for e in pipe.trace.events):
-        raise Feedback(SAYS["forward only call"])
+        raise Feedback(SAYS["forward after step" if pipe.steps_done else "forward only call"])
     ran = len({e.micro for e in pipe.trace.events})
     if ran < 6:
-        raise Feedback(f"its last step ran {ran} micro-batches, not 6, on a batch of {pipe.trace.batch_size}: "
-                       f"{SAYS['batch too small']}")
+        batch = pipe.trace.batch_size
+        raise Feedback(f"its last step ran {ran} micro-batches, not 6, on a batch of {batch}: "
+                       f"{SAYS['batch too small' if batch < 6 else 'batch not divisible']}")
     return (f"✓ {len(pipe.trace.events)} tasks ran on 3 stages over {ran} micro-batches; bubble "
             f"{pipe.trace.bubble:.0%} measured (theory {theory.bubble(3, ran):.0%} for equal stages)")
 
@@ -696,6 +741,8 @@ def best_plan(rows: list[dict]) -> dict:
 def _layout(choice) -> tuple[int, int]:
     """(D, K) from a pair of whole numbers in any container (a tuple, a list, a numpy array, a
     pandas row); Feedback for anything else."""
+    if not isinstance(choice, Mapping) and callable(getattr(choice, "to_dict", None)):
+        choice = choice.to_dict()  # a pandas row (a Series) picked whole out of the table
     if isinstance(choice, Mapping) and {"D", "K"} <= set(choice):
         choice = (choice["D"], choice["K"])
     pair = _listed(choice, SAYS["layout shape"]) if not isinstance(choice, torch.Tensor) else choice.flatten().tolist()

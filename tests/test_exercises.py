@@ -35,14 +35,22 @@ def accumulate_right(model, x, y, loss_fn, micro):
         (loss_fn(model(xs), ys) / micro).backward()
 
 
-def accumulate_with(scale=lambda i, m, xs: 1 / m, zero_inside=False, cut=torch.Tensor.chunk):
+def accumulate_with(scale=lambda i, m, xs: 1 / m, zero_inside=False, cut=torch.Tensor.chunk, zero_after=False):
     """A learner's accumulation loop with one thing changed."""
     def accumulate_(model, x, y, loss_fn, micro):
         for i, (xs, ys) in enumerate(zip(cut(x, micro), cut(y, micro))):
             if zero_inside:
                 model.zero_grad()
             (loss_fn(model(xs), ys) * scale(i, micro, xs)).backward()
+        if zero_after:
+            model.zero_grad(set_to_none=False)
     return accumulate_
+
+
+def doubled_inputs(model, x, y, loss_fn, micro):
+    """Each micro-batch fed twice its inputs: gradients that are no weighting of the micro-batches' own."""
+    for xs, ys in zip(x.chunk(micro), y.chunk(micro)):
+        (loss_fn(model(2 * xs), ys) / micro).backward()
 
 
 def no_grad_stage(block, x):
@@ -134,6 +142,7 @@ MUTANTS = [
     (exercises.check_fill_drain, lambda k, m: [[f"F{i}" for i in range(m)] + [f"B{i}" for i in range(m)] for _ in range(k)],
      "drain order"),
     (exercises.check_fill_drain, lambda k, m: k * m, "schedule shape"),
+    (exercises.check_fill_drain, lambda k, m: [" ".join(s) for s in fill_drain(k, m)], "stage strings"),
     (exercises.check_fill_drain, lambda k, m: " ".join(fill_drain(k, m)[0]), "schedule shape"),
     (exercises.check_checkpointed_stage, lambda block, x: block(x), "kept activations"),
     (exercises.check_checkpointed_stage, no_grad_stage, "no_grad"),
@@ -142,6 +151,8 @@ MUTANTS = [
      "detached input"),
     (exercises.check_checkpointed_stage, lambda block, x: checkpoint(block, x.detach(), use_reentrant=False),
      "detached input"),
+    (exercises.check_checkpointed_stage,
+     lambda block, x: checkpoint(block, x.detach().requires_grad_(), use_reentrant=False), "detached input"),
     (exercises.check_checkpointed_stage, lambda block, x: 2 * checkpoint(block, x, use_reentrant=False),
      "different output"),
     (exercises.check_checkpointed_stage, lambda block, x: block, "not a tensor"),
@@ -156,7 +167,9 @@ MUTANTS = [
     (exercises.check_accumulation, accumulate_with(cut=torch.Tensor.split), "split for chunk"),
     (exercises.check_accumulation, twice_each, "micro-batch sizes"),
     (exercises.check_accumulation, accumulate_with(scale=lambda i, m, xs: 1 / m if i % 2 else 0.5 / m),
-     "different accumulation"),
+     "uneven weights"),
+    (exercises.check_accumulation, accumulate_with(scale=lambda i, m, xs: 1 / m, zero_after=True), "zeroed after"),
+    (exercises.check_accumulation, doubled_inputs, "different accumulation"),
     (exercises.check_accumulation, lambda model, x, y, loss_fn, micro: [loss_fn(model(xs), ys) for xs, ys in
                                                                         zip(x.chunk(micro), y.chunk(micro))],
      "no backward"),
@@ -196,7 +209,8 @@ def test_every_family_of_mistakes_is_tested():
     assert not untested, untested
 
 
-PIPE_PLAN_LAYOUT_FAMILIES = {"not a pipe", "not run", "forward only call", "batch too small", "plan shape",
+PIPE_PLAN_LAYOUT_FAMILIES = {"not a pipe", "not run", "forward only call", "batch too small", "batch not divisible",
+                             "forward after step", "step result", "keywords", "plan shape",
                              "plan not in table", "over budget", "more stages", "more micro-batches",
                              "fewer micro-batches", "drop recompute", "add recompute", "layout shape", "layout swapped"}
 
@@ -294,8 +308,15 @@ def test_the_first_pipe_check_counts_the_micro_batches_that_ran():
     pipe.step(torch.randn(4, 4), torch.randint(0, 2, (4,)), nn.CrossEntropyLoss())
     said = exercises.check_first_pipe(pipe)
     assert SAYS["batch too small"] in said and "ran 4 micro-batches" in said, said
+    pipe.step(torch.randn(9, 4), torch.randint(0, 2, (9,)), nn.CrossEntropyLoss())
+    said = exercises.check_first_pipe(pipe)
+    assert SAYS["batch not divisible"] in said and "ran 5 micro-batches" in said, said   # 9 in pieces of 2
     pipe.step(torch.randn(12, 4), torch.randint(0, 2, (12,)), nn.CrossEntropyLoss())
     assert exercises.check_first_pipe(pipe).startswith("✓ 51 tasks ran on 3 stages over 6 micro-batches")  # 3 x (6 F + 5 R + 6 B)
+    loss = pipe.step(torch.randn(12, 4), torch.randint(0, 2, (12,)), nn.CrossEntropyLoss())
+    assert SAYS["step result"] in exercises.check_first_pipe(loss)         # my_pipe = my_pipe.step(...)
+    pipe(torch.randn(12, 4))                                                # an evaluation after the step
+    assert SAYS["forward after step"] in exercises.check_first_pipe(pipe)
     assert "2 stages" in exercises.check_first_pipe(GPipe(model, balance=2, chunks=6))
     assert "chunks=4" in exercises.check_first_pipe(GPipe(model, balance=3, chunks=4))
     assert SAYS["not a pipe"] in exercises.check_first_pipe(model)
@@ -339,3 +360,41 @@ def test_a_number_that_cannot_be_read_is_not_a_number():
             raise ArithmeticError("no")
     said = exercises.check_bubble(lambda k, m: Strange())
     assert said.startswith("✗") and SAYS["not a number"] in said, said
+
+
+def test_a_check_called_with_keywords_says_how_to_call_it():
+    said = exercises.check_bubble(fn=bubble)
+    assert said.startswith("✗") and SAYS["keywords"] in said, said
+    said = exercises.check_layout((1, 8), large_run=None)
+    assert said.startswith("✗") and SAYS["keywords"] in said, said
+
+
+def test_what_a_learners_function_raises_is_feedback_whatever_it_is():
+    def closes(*args):
+        raise GeneratorExit()
+    said = exercises.check_bubble(closes)
+    assert said.startswith("✗") and "GeneratorExit" in said and SAYS["raised"] in said, said
+
+
+def test_a_constant_that_a_known_mistake_also_gives_is_told_both_ways():
+    said = exercises.check_bubble(lambda k, m: 0)   # a constant 0, or (K-1)//(M+K-1)
+    assert SAYS["constant"] in said and SAYS["integer division"] in said, said
+
+
+def test_a_whole_pandas_row_is_a_layout_too():
+    from lab.replicas import LargeRun
+    selective = LargeRun(selective=True)
+    frame = pd.DataFrame(selective.table())
+    best = frame[frame["fits"]].sort_values("step s").iloc[0]
+    assert exercises.check_layout(best, selective).startswith("✓ 2 x 4: fits")
+
+
+def test_a_cut_family_is_named_only_when_the_cut_behaves_as_that_family():
+    def never_before_last(costs, k):   # a brute force that never cuts before the last layer
+        from itertools import combinations
+        cuts = min(combinations(range(1, len(costs) - 1), k - 1),
+                   key=lambda c: max(sum(costs[a:b]) for a, b in zip((0, *c), (*c, len(costs)))))
+        return [b - a for a, b in zip((0, *cuts), (*cuts, len(costs)))]
+    said = exercises.check_best_cut(never_before_last)
+    assert said.startswith("✗") and SAYS["variance cut"] not in said and SAYS["greedy cut"] not in said, said
+    assert SAYS["not the min-max"] in said, said
