@@ -159,3 +159,20 @@ def test_every_file_the_layout_page_lists_exists():
             missing += [f"{folder.relative_to(ROOT)}/{name}" for name in re.findall(r"`(\w+\.py)`", line)
                         if not (folder / name).exists()]
     assert not missing, "docs/layout.md lists files that do not exist: " + ", ".join(missing)
+
+
+def test_every_lab_or_engine_name_the_docs_name_is_defined():
+    """`lab.config.check_page`, `engine.device.pinned`, ...: the module's file defines (or imports) the name."""
+    missing = []
+    for page in markdown_pages():
+        for dotted in set(re.findall(r"`(?:lab|engine)(?:\.\w+)+`", page.read_text())):
+            parts = dotted.strip("`").split(".")
+            for cut in range(len(parts) - 1, 0, -1):  # the longest prefix that is a module file
+                module = ROOT.joinpath(*parts[:cut]).with_suffix(".py")
+                if module.exists():
+                    name, source = parts[cut], module.read_text()
+                    if not re.search(rf"^(?:def|class) {name}\b|^{name}\s*[:=]|^\s*(?:from|import) .*\b{name}\b",
+                                     source, re.M):
+                        missing.append(f"{page.relative_to(ROOT)}: {dotted}")
+                    break
+    assert not missing, "\n".join(missing)
