@@ -28,7 +28,7 @@ class GPipe(nn.Module):
     split into an input-gradient task B and a deferred weight-gradient task W).
     The stages are made of the model's own layers (nothing is copied), so an optimizer over
     `pipe.parameters()` (or, on CPU, over the model's) trains the model itself. Gradients equal
-    those of the whole mini-batch on one device; see README for what "equal" means bit for bit.
+    those of the whole mini-batch on one device; see docs/engine.md for what "equal" means bit for bit.
 
     `devices` says where the stages run, the same way for every K: None (the default) keeps them
     where the model is (a model built on the CPU stays there, even on a host with GPUs); a device

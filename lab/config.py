@@ -13,7 +13,7 @@ import subprocess
 from dataclasses import dataclass, replace
 from typing import Optional
 
-from engine.schedule import CHECKPOINT_MODES, SCHEDULES, check_layout
+from engine.schedule import SCHEDULES, check_checkpoint_mode, check_layout, check_schedule
 
 
 @dataclass(frozen=True)
@@ -77,7 +77,7 @@ class RunConfig:
 
 
 # What the app opens with. Its stages run as processes: measured at these settings on 2 cores, one
-# process per stage beats threads of one interpreter (python -m lab.reproduce transports; README).
+# process per stage beats threads of one interpreter (python -m lab.reproduce transports; docs/benchmarks.md).
 APP_DEFAULT = RunConfig(model="transformer", blocks=6, width=128, batch=32, stages=2, micro_batches=16,
                         checkpoint="except_last", transport="processes")
 # How the app (and `python -m lab.reproduce transports`) measures a setting: warm-up steps, then
@@ -133,10 +133,8 @@ def check(config: RunConfig) -> None:
                          f"or more blocks")
     if config.micro_batches < 1:
         raise ValueError(f"M={config.micro_batches}: a mini-batch is cut into at least one micro-batch")
-    if config.checkpoint not in CHECKPOINT_MODES:
-        raise ValueError(f"checkpoint={config.checkpoint!r}: expected one of {CHECKPOINT_MODES}")
-    if config.schedule not in SCHEDULES:
-        raise ValueError(f"schedule={config.schedule!r}: expected one of {tuple(SCHEDULES)}")
+    check_checkpoint_mode(config.checkpoint)  # the engine's own checks (engine.schedule needs no torch)
+    check_schedule(config.schedule)
     check_layout(config.schedule, config.stages, config.micro_batches, config.virtual_stages, config.layers)
     if config.balance not in BALANCES:
         raise ValueError(f"balance={config.balance!r}: expected one of {BALANCES}")

@@ -19,7 +19,7 @@ from engine.distributed.local import loopback_interface
 
 ROOT = Path(__file__).resolve().parent.parent
 # Every agent and worker started here runs on this host: their gloo binds to the loopback interface
-# (torchrun's own Store still listens on every interface while it runs: README, "Security").
+# (torchrun's own Store still listens on every interface while it runs: docs/processes.md, "Security").
 ON_LOOPBACK = {"GLOO_SOCKET_IFNAME": loopback_interface()}
 
 

@@ -160,7 +160,7 @@ def test_a_fresh_server_draws_a_chart_at_once_and_measures_what_a_script_measure
     (each start's is the goal, missed here in one start of 21, at 1.37x, while the script right
     after it measured 1.50x: this host slows down for minutes at a time). The metrics are readable
     at 1400 px and on a 1280 px laptop; the terminal stays clean. Seconds and figures are printed
-    (pytest -s): they are what the README reports."""
+    (pytest -s): they are what docs/app.md reports."""
     colds, warms, pages, scripts = [], [], [], []
     for start, width in enumerate((1400, 1400, 1280)):
         log_path = tmp_path / f"server-{start}.log"

@@ -19,7 +19,7 @@ def test_a_row_runs_in_a_process_of_its_own_and_says_what_it_saw():
 
 def test_the_report_on_a_cpu_host_has_every_section_and_skips_the_gpu_parts(tmp_path, monkeypatch, capsys):
     quick = [(name, doctor.CPU_ROWS[name]) for name in ("threads: K=2 equals K=1", "trace order, CPU")]
-    monkeypatch.setattr(doctor, "plan", lambda cli, deadline: (quick, ["no GPU: the CUDA rows were not run"]))
+    monkeypatch.setattr(doctor, "checklist", lambda cli, deadline: (quick, ["no GPU: the CUDA rows were not run"]))
     monkeypatch.setattr(doctor.torch.cuda, "is_available", lambda: False)
     out = tmp_path / "report.md"
     assert doctor.main(["--report", "--out", str(out)]) == 0

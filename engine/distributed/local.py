@@ -12,7 +12,7 @@ lab.peers) are all on one host, so they need no network at all:
     meeting.close()                                   # the folder goes (also if the parent exits)
 
 Runs over several hosts (torchrun) keep torch.distributed's own trust model: a trusted network, or
-a VPN, between the hosts (README, "Security").
+a VPN, between the hosts (docs/processes.md, "Security").
 """
 from __future__ import annotations
 
