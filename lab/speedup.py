@@ -203,17 +203,15 @@ def gpu_floor(config: RunConfig) -> float:
 
 def throughput(record: RunRecord) -> tuple[float, str, float]:
     """(samples/s, how, bubble) of a record: measured if the host ran its stages at once, else
-    replayed; on GPUs "launch-bound" (figures kept, not to be read as the GPU's) when its tasks
-    are under GPU_FLOOR."""
+    replayed; on GPUs "launch-bound" (the replay's figures, not to be read as the GPU's) when its
+    tasks are under `gpu_floor`."""
     config = RunConfig(**record.config)
     ratio = cell_ratio(record)
-    if ratio is not None and ratio < gpu_floor(config):
-        line = replay.of_record(record, "ideal replay")
-        return config.batch / line.makespan, "launch-bound", line.bubble
-    if config.stages <= parallel_devices(config):
+    launch_bound = ratio is not None and ratio < gpu_floor(config)
+    if not launch_bound and config.stages <= parallel_devices(config):
         return record.samples_per_second, "measured", record.bubble
     line = replay.of_record(record, "ideal replay")
-    return config.batch / line.makespan, "ideal replay", line.bubble
+    return config.batch / line.makespan, "launch-bound" if launch_bound else "ideal replay", line.bubble
 
 
 def measure_table(base: RunConfig, stages: Iterable[int] = (1, 2, 4, 8), micro: Iterable[int] = (1, 4, 32),

@@ -27,7 +27,6 @@ import queue
 import struct
 import threading
 import time
-from contextlib import nullcontext
 from typing import Optional
 
 import torch
@@ -336,12 +335,13 @@ def connect(edges: dict, rank: int, device: torch.device) -> None:
     """Make NCCL's connections on every edge now, with one element sent along it, edge after edge in
     one order for every rank (so no two ranks wait on each other): NCCL connects on first use, and
     a peer that died then would leave a stage blocked where no abort reaches it."""
-    with torch.cuda.device(device) if device.type == "cuda" else nullcontext():
+    if not edges:  # no NCCL on this lane
+        return
+    with torch.cuda.device(device):
         for (_, sender, _), (group, peer) in sorted(edges.items()):
             probe = torch.zeros(1, device=device)
             (group.send if sender == rank else group.recv)([probe], peer, 0).wait()
-        if edges:
-            torch.cuda.synchronize(device)
+        torch.cuda.synchronize(device)
 
 
 def nccl_edges(size: int, wraps: bool) -> list[tuple[str, int, int]]:
