@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import sys
 import time
 from dataclasses import asdict
@@ -29,7 +28,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 from engine import GPipe
-from engine.distributed.transport import gpu_identity
+from engine.distributed.transport import gpu_identity, one_gpu_each
 from engine.schedule import CHECKPOINT_MODES, SCHEDULES
 
 from . import models
@@ -60,19 +59,20 @@ def parser() -> argparse.ArgumentParser:
     return options
 
 
-def backend_for(device: str, gpus: list[tuple[str, str]]) -> str:
+def backend_for(device: str, gpus: list[str]) -> str:
     """The backend of the pipeline's (and replicas') groups: NCCL when the stages are on GPUs and no
-    two ranks share a physical GPU (`gpus`: each rank's machine and GPU identity, so a rank that
-    sees one GPU through CUDA_VISIBLE_DEVICES counts as its own), else gloo (CPU stages, or ranks
-    sharing GPUs, which NCCL refuses; activations then cross through host memory)."""
-    return "nccl" if device == "cuda" and len(set(gpus)) == len(gpus) else "gloo"
+    two ranks share a physical GPU (`gpus`: each rank's GPU identity, so a rank that sees one GPU
+    through CUDA_VISIBLE_DEVICES counts as its own), else gloo (CPU stages, or ranks sharing GPUs,
+    which NCCL refuses; activations then cross through host memory)."""
+    return "nccl" if device == "cuda" and one_gpu_each(gpus) else "gloo"
 
 
-def gpus_of_ranks(device: torch.device) -> list[tuple[str, str]]:
-    """Every rank's (machine, physical GPU identity), told over the world's gloo group."""
+def gpus_of_ranks(device: torch.device) -> list[str]:
+    """Every rank's physical GPU identity (engine.distributed.transport.gpu_identity), told over the
+    world's gloo group."""
     told: list = [None] * dist.get_world_size()
-    dist.all_gather_object(told, (socket.gethostname(), gpu_identity(device)))
-    return [tuple(entry) for entry in told]
+    dist.all_gather_object(told, gpu_identity(device))
+    return told
 
 
 def launched_by_torchrun() -> bool:

@@ -142,12 +142,13 @@ def test_speedup_tables_are_sized_for_the_device():
 
 
 def test_train_picks_nccl_only_when_no_two_ranks_share_a_physical_gpu():
-    one_each = [("host-a", "GPU-0"), ("host-a", "GPU-1")]
+    one_each = ["GPU-0", "GPU-1"]   # identities (UUIDs): one per physical GPU
     assert backend_for("cuda", one_each) == "nccl"
     # CUDA_VISIBLE_DEVICES shows each rank one GPU (cuda:0 on both): still a GPU of its own each
-    assert backend_for("cuda", [("host-a", "GPU-0"), ("host-a", "GPU-5")]) == "nccl"
-    assert backend_for("cuda", [("host-a", "GPU-0"), ("host-a", "GPU-0")]) == "gloo"   # NCCL refuses
-    assert backend_for("cuda", [("host-a", "0000:01:00.0"), ("host-b", "0000:01:00.0")]) == "nccl"
+    assert backend_for("cuda", ["GPU-0", "GPU-5"]) == "nccl"
+    assert backend_for("cuda", ["GPU-0", "GPU-0"]) == "gloo"   # NCCL refuses
+    # without a UUID, the identity is the machine's and the PCI location: one location on two hosts is two GPUs
+    assert backend_for("cuda", ["host-a/0:1:0", "host-b/0:1:0"]) == "nccl"
     assert backend_for("cpu", one_each) == "gloo"
 
 

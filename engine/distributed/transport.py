@@ -143,7 +143,13 @@ class World:
 def use_nccl(device_types: list[str], nccl: list[bool], gpus: list[str]) -> bool:
     """The lane's choice of NCCL for payloads, from what every rank told (see World.uses_nccl):
     `gpus` holds each rank's GPU identity."""
-    return set(device_types) == {"cuda"} and all(nccl) and len(set(gpus)) == len(gpus)
+    return set(device_types) == {"cuda"} and all(nccl) and one_gpu_each(gpus)
+
+
+def one_gpu_each(gpus: list[str]) -> bool:
+    """Whether no two ranks share a physical GPU (`gpus`: each rank's `gpu_identity`): NCCL refuses
+    two ranks on one GPU."""
+    return len(set(gpus)) == len(gpus)
 
 
 def nccl_in(group) -> bool:
