@@ -1,25 +1,19 @@
 """Child processes that run engine code only, whatever the parent is.
 
-multiprocessing's "spawn" start re-imports the parent's main module in every child: a script
-without a main guard starts children forever, code fed on standard input cannot be re-read, and
-`streamlit run app.py` re-runs the whole page in each child. So children here are started as
-`python -m engine.distributed.child`, with the parent's `sys.path` handed over: they import the
-function they are asked to run by name ("package.module:function") and nothing else of the parent.
+multiprocessing's "spawn" re-imports the parent's main module in each child (a script without a
+main guard starts children forever; `streamlit run app.py` re-runs the page). So a child here is
+`python -m engine.distributed.child` with the parent's `sys.path`, importing only the function it
+is asked to run, by name:
 
     children = Children("lab.allreduce:member", [(rank, 2, port) for rank in range(2)])
     answers = children.ask([("time", 1 << 20)] * 2)   # one command each, one answer each
     children.close()                                    # or let the parent exit: none stays behind
 
-In the child, `function(*args)` makes a server: a callable that answers each command the parent
-sends (with an optional `close()`, called when the parent says stop, and an optional `tell`
-attribute, which becomes a function that sends the parent notes while a command runs). An exception raised there
-arrives in the parent with its own type and message (the child's traceback attached as a note);
-a child that dies, or stays silent past the timeout, raises ChildFailed. Children end with their
-parent: each watches for it to be gone and stops when its connection closes.
-
-Parent and child talk in pickle over a socket pair that the child inherits: it has no name and no
-address, so only the two of them can write to it. What children send each other as ranks of a
-process group is never pickled (engine/distributed/wire.py).
+In the child, `function(*args)` makes a server: a callable answering each command (optionally with
+`close()`, and a `tell` attribute that becomes a way to send the parent notes). Its exceptions reach
+the parent with their own type; a child that dies or stays silent past the timeout raises
+ChildFailed; children end with their parent. Parent and child talk pickle over an inherited socket
+pair with no name or address; ranks talk to each other without pickle (wire.py).
 """
 from __future__ import annotations
 
@@ -75,8 +69,7 @@ def name_of(function: Callable) -> str:
 
 
 def send(connection: Connection, message) -> None:
-    """Send a message by value (plain pickle: tensors are copied, never left in shared memory that
-    would die with the sender)."""
+    """Send a message by value (plain pickle: tensors copied, never left in the sender's shared memory)."""
     connection.send_bytes(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
 
 
@@ -125,10 +118,9 @@ class Children:
 
     def ask(self, commands: Sequence, timeout: Optional[float] = None,
             on_note: Optional[Callable[[int, object], None]] = None) -> list:
-        """Send child i `commands[i]` and return every answer, in order. What a child tells while it
-        works (`tell` in the child) goes to `on_note(i, note)`, on this thread. A failure in a child
-        is raised with its own type (a failing stage's own error before the others' StageFailed
-        echoes of it); a child that dies or stays silent past the timeout stops them all: ChildFailed."""
+        """Send child i `commands[i]` and return the answers in order; notes go to `on_note(i, note)`.
+        A child's failure is raised with its own type (the cause before StageFailed echoes); a child
+        that dies or stays silent past the timeout stops them all: ChildFailed."""
         if not self.open:
             raise ChildFailed(f"the {self.name} processes were stopped (after close(), or after one died); "
                               f"start new ones")
@@ -150,8 +142,7 @@ class Children:
         return [answers[i][1] for i in range(len(commands))]
 
     def _collect(self, count: int, timeout: float, on_note) -> tuple[dict, Optional[BaseException]]:
-        """The answers of the first `count` children, and what `on_note` raised, if it did (the
-        answers are still collected then, so that none is left for the next call to read)."""
+        """The first `count` children's answers, all of them, and what `on_note` raised, if it did."""
         answers: dict[int, tuple] = {}
         interrupted: Optional[BaseException] = None
         deadline = time.monotonic() + timeout
@@ -219,8 +210,7 @@ def _stop(processes: list, connections: list) -> None:
 # --- in the child ---------------------------------------------------------------------------------
 
 def portable(error: BaseException) -> BaseException:
-    """`error` if it survives pickling as itself, else a RuntimeError with its type and message; the
-    traceback is attached as a note either way."""
+    """`error` if it pickles as itself, else a RuntimeError saying it; its traceback attached as a note."""
     try:
         pickle.loads(pickle.dumps(error))
     except Exception:
@@ -233,8 +223,7 @@ def portable(error: BaseException) -> BaseException:
 
 
 def serve(connection: Connection, server: Callable) -> None:
-    """Answer the parent's commands with `server(command)` until it says stop or is gone. A server
-    with a `tell` attribute gets a function that sends the parent a note while it works."""
+    """Answer the parent's commands with `server(command)` until it says stop or is gone."""
     if hasattr(server, "tell"):
         server.tell = lambda note: send(connection, ("note", note))
     try:

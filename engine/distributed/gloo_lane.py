@@ -1,22 +1,16 @@
-"""The lane between stage processes over torch.distributed: gloo point-to-point (NCCL for CUDA
-payloads), for ranks on different hosts and for stages on GPUs.
+"""The lane over torch.distributed: gloo point-to-point, NCCL for payloads between GPUs; for ranks
+on several hosts and for stages on GPUs.
 
-Each rank keeps a few receives posted per neighbouring stage; small messages land in them whole
-(header and payload in one frame). A listener thread per neighbour waits for those receives in
-order and only signals "frame arrived" (one hand-over of the interpreter lock per message); the
-stage's own thread reads the header, copies the payload out and posts the receive again, so any
-schedule's order works on gloo and NCCL alike. Measured on a 2-core host, a listener that decoded
-frames itself slowed the stage thread's own work by up to 60% (the two threads traded the
-interpreter lock at every tensor op). A sender thread waits for each send to complete and releases
-its buffers, so no stage thread ever blocks on a neighbour. The lane's groups are its own (made
-from the pipe's ranks, with one-year timeouts), so its traffic never mixes with the user's and an
-idle pipe never times out; they are destroyed when the lane closes.
+Each rank keeps a few receives posted per neighbour, and a small message lands in one whole (header
+and payload in one frame). A listener thread per neighbour only signals "frame arrived"; the stage
+thread decodes it (a listener that decoded traded the interpreter lock with the stage at every
+tensor op). A sender thread completes sends and frees their buffers, so a stage never blocks on a
+neighbour. The lane's groups are its own, with one-year timeouts: its traffic never mixes with the
+user's and an idle pipe never times out.
 
-NCCL receives are posted on a stream of their own per edge, so that they wait for nothing the
-stage has queued (a receive posted under the stage's stream would start only once all of it ran).
-A failed call ends NCCL's part of the lane: sends posted to a neighbour that stopped reading would
-never match, and a GPU stream waiting on them would never be free again, so the edges' NCCL groups
-are aborted at once and a later call on the lane raises StageFailed (make a new pipe).
+NCCL receives go on a stream per edge, so they wait for nothing the stage queued. A failed call
+aborts the edges' NCCL groups (a send to a neighbour that stopped reading would never match, and a
+stream waiting on it would never be free); a later call then raises StageFailed.
 """
 from __future__ import annotations
 
@@ -67,14 +61,12 @@ class GlooLane:
         self.rank, self.device = rank, device
         self.name = "gloo+nccl" if nccl else "gloo"  # headers always on gloo; payloads between GPUs on NCCL
         self.wire = own_group(pipelines, members, backend="gloo", timeout=NEVER)
-        # NCCL matches messages per peer in posting order and may hold a send until its receive is
-        # posted: a two-rank communicator per edge (kind, sender, receiver) carries traffic one way
-        # only, so no two ranks can both wait on sends posted first; headers go on gloo
+        # a two-rank NCCL group per edge carries traffic one way only: NCCL may hold a send until its
+        # receive is posted, so two ranks could otherwise both wait on sends posted first
         self.tensor_groups = edge_groups(pipelines, members, len(members), wraps) if nccl else {}
         connect(self.tensor_groups, rank, device)
         self._events: queue.SimpleQueue = queue.SimpleQueue()  # (link, slot) or (None, error, peer)
-        self._in_flight: collections.deque = collections.deque()  # (gloo works, NCCL works, buffers, peer) of sends
-        # not yet reaped
+        self._in_flight: collections.deque = collections.deque()  # sends: (gloo works, NCCL works, buffers, peer)
         self._reap = threading.Condition()           # wakes the sender thread: reap what is in flight
         self._wakes = 0
         self._closed = False
@@ -89,17 +81,15 @@ class GlooLane:
             thread.start()
 
     def begin(self) -> None:
-        """A new call: the last call's sends are complete by now, so their buffers can go. After a
-        failed call, a lane with NCCL cannot go on (see the module docstring)."""
+        """A new call: free the last call's send buffers (refused after a call that aborted NCCL)."""
         if self._abandoned:
             raise StageFailed(f"rank {self.rank}: an earlier call failed and its NCCL transfers were aborted, "
                               f"so this pipe cannot run another call; close it and make a new one")
         self._wake_sender()
 
     def abandon(self) -> None:
-        """The current call failed somewhere: abort NCCL's groups, so that no GPU stream and no
-        thread of this rank waits for transfers a failed neighbour will never match (gloo needs
-        nothing: its waits end when a peer's connection closes, and a live peer still reads)."""
+        """The call failed somewhere: abort NCCL's groups, so nothing waits for transfers a failed peer
+        will never match (gloo's waits end when a peer's connection closes)."""
         if self._abandoned or not self.tensor_groups:
             return
         self._abandoned = True
@@ -124,9 +114,8 @@ class GlooLane:
             self._wake_sender()
 
     def receive(self, timeout: float) -> list[Arrival]:
-        """The next message that arrived, read on the calling (stage) thread; [] after `timeout`
-        seconds without one. Raises Lost if a connection broke, Malformed (naming the sender) for a
-        frame that is not one `wire.encode` wrote."""
+        """The next message, read on the stage thread; [] after `timeout` seconds. Lost if a connection
+        broke, Malformed (naming the sender) for a frame `wire.encode` did not write."""
         try:
             link, slot, *peer = self._events.get(timeout=timeout)
         except queue.Empty:
@@ -150,10 +139,8 @@ class GlooLane:
         return [Arrival(link.peer, header, tensors, ready, start, time.perf_counter())]
 
     def _payload(self, peer: int, header: wire.Header, home: torch.device) -> tuple[list, Optional[list]]:
-        """Tensors that follow their frame, received straight into tensors of the announced shapes,
-        and the NCCL works to wait for before using them (None when they are already here). NCCL
-        receives are only posted: the stage waits for them when a task needs the value, so no
-        stream waits for data meant for a later task."""
+        """Tensors that follow their frame, received into tensors of the announced shapes, and the NCCL
+        works to wait for (None when here): NCCL receives are only posted, the task that needs them waits."""
         edge = self.tensor_groups.get((header.kind, peer, self.rank))
         if edge is not None:
             group, local_peer = edge
@@ -177,9 +164,8 @@ class GlooLane:
         return wire.marked(tensors, header), None
 
     def clock_offset(self, remote: list[int]) -> float:
-        """Seconds to subtract from this rank's perf_counter to read rank 0's: 0 on rank 0 and on
-        ranks of its machine (not in `remote`), else the midpoint estimate of the fastest of a few
-        round trips with rank 0."""
+        """Seconds to subtract from this rank's perf_counter to read rank 0's (0 on rank 0's machine):
+        the midpoint of the fastest of a few round trips with rank 0."""
         stamp = torch.zeros(1, dtype=torch.float64)
         if self.rank == 0:
             for peer in remote:
@@ -222,8 +208,7 @@ class GlooLane:
             self._events.put((link, slot))
 
     def _fail(self, peer: int, error: BaseException) -> None:
-        """A listener or the sender lost its connection to `peer`: tell the stage thread, whether it
-        waits for a frame (an event) or polls an NCCL receive (`error`)."""
+        """A listener or the sender lost `peer`: tell the stage thread (an event; `error` for NCCL polls)."""
         if not self._closed and not self._abandoned:
             self.error = (peer, error)
             self._events.put((None, error, peer))
@@ -238,9 +223,8 @@ class GlooLane:
             self._reap.notify()
 
     def _complete_sends(self) -> None:
-        """Sender thread: when woken, wait for the sends in flight, in order, and release their
-        buffers. Woken once per call and every REAP_AFTER sends, not once per message: each
-        hand-over between threads costs tens of microseconds here."""
+        """Sender thread: when woken (once a call and every REAP_AFTER sends: a hand-over between
+        threads costs tens of microseconds), complete the sends in flight and free their buffers."""
         seen = 0
         while True:
             with self._reap:
@@ -268,10 +252,8 @@ class GlooLane:
                 return
 
     def close(self, step: int, timeout: float = 5.0) -> None:
-        """Stop this rank's threads and destroy the lane's groups. Goodbyes answer every receive a
-        neighbour keeps posted here; this rank's own listeners end when the neighbours' goodbyes
-        come (a neighbour that never closes leaves them waiting, as daemon threads, until the
-        process exits)."""
+        """Stop this rank's threads and destroy the lane's groups. Goodbyes answer the receives each
+        neighbour keeps posted; this rank's listeners end with the neighbours' goodbyes."""
         self._closed = True
         frame, _ = wire.encode(step, "bye", 0, 0, wire.NO_DECISION, None)
         for link in self._links:
@@ -315,8 +297,7 @@ def abort_group(group) -> None:
 
 
 def own_group(pipelines: list, members: list[int], **options):
-    """This pipeline's group, made together with every other pipeline's: torch.distributed makes a
-    group with all ranks of the world taking part in the same order, so each rank makes them all."""
+    """This pipeline's group; every rank makes every pipeline's, in one order, as torch.distributed requires."""
     mine = None
     for ranks in pipelines:
         group = dist.new_group(list(ranks), use_local_synchronization=False, **options)
@@ -326,15 +307,13 @@ def own_group(pipelines: list, members: list[int], **options):
 
 
 def lands_on(kind: str, device: torch.device) -> torch.device:
-    """Where a received message's tensors belong: activations and gradients on the stage's device,
-    control messages ("end" with the loss and trace, "done", "bye") on the host, where they are read."""
+    """Where a message's tensors belong: activations and gradients on the stage's device, the rest on the host."""
     return device if kind in ("act", "grad") else torch.device("cpu")
 
 
 def connect(edges: dict, rank: int, device: torch.device) -> None:
-    """Make NCCL's connections on every edge now, with one element sent along it, edge after edge in
-    one order for every rank (so no two ranks wait on each other): NCCL connects on first use, and
-    a peer that died then would leave a stage blocked where no abort reaches it."""
+    """Connect every NCCL edge now, one element each, in one order for all ranks: NCCL connects on first
+    use, and a peer that died then would block a stage where no abort reaches it."""
     if not edges:  # no NCCL on this lane
         return
     with torch.cuda.device(device):
@@ -345,17 +324,15 @@ def connect(edges: dict, rank: int, device: torch.device) -> None:
 
 
 def nccl_edges(size: int, wraps: bool) -> list[tuple[str, int, int]]:
-    """The edges (kind, sending rank, receiving rank) a pipe's payloads travel, in one order for
-    every rank: activations to the next stage, gradients back, and with chunks that wrap around
-    (interleaved) also from the last stage to the first and back."""
+    """The edges (kind, sender, receiver) a pipe's payloads travel, in one order for every rank; chunks
+    that wrap around (interleaved) add last -> first and back."""
     edges = [("act", r, r + 1) for r in range(size - 1)] + [("grad", r + 1, r) for r in range(size - 1)]
     return edges + [("act", size - 1, 0), ("grad", 0, size - 1)] if wraps and size > 1 else edges
 
 
 def edge_groups(pipelines: list, members: list[int], size: int, wraps: bool) -> dict:
-    """This rank's NCCL groups, one of two ranks per edge it sends or receives on, as
-    {(kind, sender, receiver): (group, the peer's rank in it)}; every rank of the world makes every
-    pipeline's, in one order, as torch.distributed requires."""
+    """This rank's two-rank NCCL group per edge it is on, {(kind, sender, receiver): (group, peer's
+    rank in it)}; every rank makes every pipeline's, in one order."""
     me = dist.get_rank()
     mine = {}
     for ranks in pipelines:
@@ -369,8 +346,7 @@ def edge_groups(pipelines: list, members: list[int], size: int, wraps: bool) -> 
 
 
 def to_gpu(tensors: list, home: torch.device) -> tuple[list, "torch.cuda.Event"]:
-    """Host tensors copied to GPU `home` on its current stream (the stage's, or the default one when
-    a message is read outside a task), and the event the stage's stream waits on before using them."""
+    """Host tensors copied to GPU `home` on its current stream, and the event to wait on before use."""
     moved = [None if t is None else t.to(home, non_blocking=True) for t in tensors]
     ready = torch.cuda.Event()
     ready.record(torch.cuda.current_stream(home))

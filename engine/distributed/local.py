@@ -1,18 +1,15 @@
 """How the processes that one process starts on this host meet, with no socket beyond loopback.
 
-torch.distributed's processes meet at a Store and then talk over gloo. A TCPStore listens on every
-interface of the host, whatever address it is given, and gloo binds to the address the host name
-resolves to: on a laptop on a café's network, anyone there could write keys into the Store that
-coordinates the stage processes. The lab's own process groups (ProcessPool, lab.allreduce,
-lab.peers) are all on one host, so they need no network at all:
+A TCPStore listens on every interface, and gloo binds to the address the host name resolves to: on
+a café's network anyone could write into the Store. The lab's own groups (ProcessPool,
+lab.allreduce, lab.peers) are on one host, so they need no network at all:
 
     meeting = Meeting()                               # a FileStore in a private folder (mode 0700)
     Children(..., [(meeting.path, rank, size) ...], env=meeting.env)
     join(path, rank, size)                            # in each child: gloo on loopback, via the file
     meeting.close()                                   # the folder goes (also if the parent exits)
 
-Runs over several hosts (torchrun) keep torch.distributed's own trust model: a trusted network, or
-a VPN, between the hosts (docs/processes.md, "Security").
+Runs over several hosts (torchrun) keep torch.distributed's trust model (docs/processes.md, "Security").
 """
 from __future__ import annotations
 
@@ -40,9 +37,8 @@ def loopback_interface(net: str = "/sys/class/net") -> str:
 
 
 class Meeting:
-    """Where a group of local processes meets: a torch.distributed FileStore in a folder only this
-    user can enter, removed by `close()` or when this process exits. `env` is what each member's
-    environment needs (gloo's device, and NCCL's bootstrap, on the loopback interface)."""
+    """Where local processes meet: a FileStore in a folder only this user can enter, removed by
+    `close()` or at exit. `env` puts each member's gloo and NCCL on the loopback interface."""
 
     def __init__(self):
         self.folder = tempfile.mkdtemp(prefix="gpipe-store-")  # mode 0700
@@ -58,9 +54,7 @@ class Meeting:
 
 
 def join(path: str, rank: int, size: int, timeout: float = 120.0, backend: str = "gloo") -> None:
-    """In a member process: the default process group (`backend`: gloo, or gloo for host tensors and
-    NCCL for CUDA ones), met through the FileStore at `path` (whose waits give up after `timeout`
-    seconds)."""
+    """In a member: the default process group of `backend`, met through the FileStore at `path`."""
     import torch.distributed as dist
 
     store = dist.FileStore(path, -1)

@@ -7,15 +7,11 @@
     pool.parameters()                                   # on request: the model's parameters, stage by stage
     pool.close()                                        # or let the interpreter exit: nothing stays behind
 
-The stage processes are children that run engine code only (engine/distributed/children.py), so
-the parent may be anything: a script with or without a main guard, standard input, `python -c`, a
-Jupyter kernel, the Streamlit server, a torchrun worker. Every child builds the model itself from
-a recipe importable by name ("package.module:function"): the model is never sent, only how to make
-it. The children meet at a Store in a file, in a private folder that the parent owns, so it
-outlives any of them, and talk over gloo on loopback: nothing of the pool listens on a network
-(engine/distributed/local.py). A failure in a stage is raised here with its own type, the stage
-named; a child that dies is raised as StageProcessError, and the pool is then closed and a new one
-must be made.
+The stage processes run engine code only (children.py), so the parent may be anything: a script
+without a main guard, a Jupyter kernel, the Streamlit server. Each builds the model from a recipe
+importable by name ("package.module:function"); the model is never sent. They meet at a Store in a
+private folder and talk on loopback only (local.py). A stage's failure is raised here with its own
+type, the stage named; a dead child is a StageProcessError, after which the pool is closed.
 """
 from __future__ import annotations
 
@@ -41,12 +37,9 @@ class StageProcessError(ChildFailed):
 
 
 class ProcessPool:
-    """K stage processes on this machine, one per stage, meeting over gloo on loopback. `device`
-    says where every stage computes: "cpu" (the default, whatever the host has), or "cuda" (stage
-    k on GPU k mod the GPUs visible; payloads cross over NCCL when every stage has a GPU of its own,
-    else through host memory).
-    `spin` is how many seconds a stage waiting on the shared-memory lane polls before it sleeps;
-    None lets the lane decide (engine/distributed/shm_lane.py: only where every stage has a core)."""
+    """K stage processes on this machine. `device`: "cpu", or "cuda" (stage k on GPU k mod the GPUs
+    visible; NCCL between them when each has its own). `spin`: seconds a stage waiting on the
+    shared-memory lane polls before it sleeps (None: the lane decides, shm_lane.spin_for)."""
 
     def __init__(self, stages: int, threads_per_stage: int = 1, keep_freed_memory: bool = True,
                  timeout: float = 300.0, device: str = "cpu", lane: str = "auto", spin: Optional[float] = None):
@@ -83,8 +76,7 @@ class ProcessPool:
         return self._children.pids
 
     def check_alive(self) -> None:
-        """Raise StageProcessError (and close the pool) if a stage process has died since the last
-        call, as a crash or an out-of-memory kill would leave it."""
+        """Raise StageProcessError (and close the pool) if a stage process died since the last call."""
         dead = self._children.dead()
         if self._children.open and dead:
             self.close()
@@ -94,20 +86,16 @@ class ProcessPool:
 
     def build(self, recipe: Recipe, recipe_kwargs: Optional[dict] = None, balance=None,
               optimizer: Optional[tuple[Recipe, dict]] = None, **gpipe_options) -> None:
-        """Make the pipe in every stage process: `recipe(**recipe_kwargs)` gives the nn.Sequential,
-        `balance` defaults to K stages, `gpipe_options` go to GPipe (chunks, checkpoint, seed, ...).
-        With `optimizer=("torch.optim.SGD", {"lr": 0.1})` each `step` also zeroes the gradients
-        first and takes an optimizer step after."""
+        """Make the pipe in every stage process from `recipe(**recipe_kwargs)`; `gpipe_options` go to
+        GPipe. With `optimizer=("torch.optim.SGD", {"lr": 0.1})` each `step` also takes its step."""
         spec = (name_of(resolve(recipe)), recipe_kwargs or {}, self.stages if balance is None else balance,
                 gpipe_options, optimizer)
         self._ask([("build", spec)] * self.stages)
         self.built = True
 
     def step(self, inputs, targets, loss_fn: Callable, on_event: Optional[Callable] = None):
-        """One training step of the pipe (gradients zeroed first; with an optimizer, also its step);
-        returns the mini-batch loss. Then `self.trace` is the step's trace and `self.seconds` the
-        step's time as rank 0 measured it. `on_event`, if given, is called here, live, with each
-        task's event as its stage process finishes it (times from the first stage's start)."""
+        """One training step (gradients zeroed first); returns the loss, and sets `trace` and `seconds`
+        (as rank 0 timed it). `on_event` is called here, live, with each task's event."""
         self._require_built()
         name_of(loss_fn)
         live = on_event is not None
@@ -139,21 +127,18 @@ class ProcessPool:
         return self._by_chunk("buffers")
 
     def ping(self, count: int = 2000, numel: int = 1) -> float:
-        """Seconds one message of `numel` float32 takes from stage 0's process to stage 1's, one way:
-        half the mean of `count` round trips through the built pipe's transport."""
+        """Seconds a message of `numel` float32 takes one way between 2 stages, over `count` round trips."""
         self._require_built()
         if self.stages != 2:
             raise ValueError(f"ping needs a pool of 2 stages, this one has {self.stages}")
         return self._ask([("ping", (count, numel))] * 2)[0]
 
     def resources(self) -> list[dict]:
-        """What each stage process holds: threads, open file descriptors, process groups (a pipe
-        rebuilt many times must not make these grow)."""
+        """Each stage process's threads, file descriptors and process groups (they must not grow)."""
         return self._ask([("resources", ())] * self.stages)
 
     def _by_chunk(self, what: str) -> list:
-        """Each process's tensors of `what`, per chunk of layers it holds, put in the model's order
-        (a stage holds chunks k, k+K, ... when stages hold several)."""
+        """Each process's tensors of `what`, per chunk it holds, in the model's order."""
         self._require_built()
         per_chunk = {chunk: tensors for answer in self._ask([(what, ())] * self.stages) for chunk, tensors in answer}
         return [t for chunk in sorted(per_chunk) for t in per_chunk[chunk]]
@@ -193,8 +178,7 @@ class ProcessPool:
 
 
 def _live_events(on_event: Callable):
-    """An `on_note` that hands the stage processes' live events to `on_event`, each moved from its
-    stage's time origin to the earliest origin seen (one host: the processes share one clock)."""
+    """An `on_note` that hands live events to `on_event`, moved to the earliest stage origin seen."""
     origins: list[float] = []
 
     def on_note(rank: int, note) -> None:

@@ -1,14 +1,10 @@
 """Data parallelism across pipelines: each stage averages its gradients with the same stage of the
 other replicas (GPipe(..., group=pp_group, data_parallel=dp_group)).
 
-Every replica reads its own shard of the global batch, so after its pipelined step a stage holds
-the gradients of its shard's mean loss. As soon as the stage's last task has run, its gradients,
-each scaled by the shard's size, start an all-reduce over the data-parallel group in buckets,
-while the stages before it still drain; the last stage also sums the shards' losses and sizes.
-The sum is divided by the global batch's size once it is known (it travels upstream with the
-call's "end" message), so each stage's gradients are those of the mean loss over the whole
-global batch, whatever the shards' sizes. Waits poll the collective and the pipes' Store, so a
-failure in any replica stops every rank instead of leaving one in an all-reduce for ever.
+Once a stage's last task ran, its gradients times its shard's size start an all-reduce in buckets
+while earlier stages still drain; the sum is divided by the global batch's size, which travels
+upstream with "end", so the gradients are the global mean loss's whatever the shards' sizes. Waits
+poll the Store too: a failure in any replica stops every rank.
 """
 from __future__ import annotations
 
@@ -73,8 +69,7 @@ class Replicas:
                              f"{stages} (global rank: stage): check the order of the mesh's dimensions, ('dp', 'pp')")
 
     def start(self, parameters: list[torch.Tensor], shard: int) -> Pending:
-        """Start summing (shard size x gradient) over the replicas, bucket by bucket (a parameter
-        without a gradient counts as zeros)."""
+        """Start summing (shard size x gradient) over the replicas, bucket by bucket (None counts as zeros)."""
         started = time.perf_counter()
         gradients = []
         for p in parameters:
@@ -108,9 +103,7 @@ class Replicas:
 
 
 def wait(works: list, check: Callable[[], None]) -> None:
-    """Wait for collective works, calling `check` (which raises StageFailed on a failure reported
-    elsewhere) while they run; a collective that broke is a StageFailed too, unless a reported
-    failure explains it."""
+    """Wait for collectives, calling `check` meanwhile; a broken one is a StageFailed (or the reported cause)."""
     until_completed(works, check)
     for work in works:
         try:

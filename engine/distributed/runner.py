@@ -1,14 +1,10 @@
 """One rank's share of a pipelined call when stages are processes (GPipe(..., group=...)).
 
-Every rank calls `step` (or the forward pass) with the same arguments' shapes. The first stage's
-rank decides the call (engine/call.py); its decision travels in the header of its activations, so
-each rank plans the same call in `GPipe` and runs its own stage's task list through the same task
-loop as threads. Then the call ends in two waves: "end" goes upstream from the last stage,
-carrying the mini-batch loss and each stage's part of the trace, and "done" comes back downstream,
-so a call returns on a rank only once every stage has finished it, and a failure anywhere is
-raised everywhere. What ranks send each other is tensors and typed tables of numbers and short
-strings (engine/distributed/wire.py), never pickle: a rank executes nothing that it receives, and
-a message it cannot read is an error that names its sender.
+The first stage's rank decides the call (engine/call.py) and its decision travels with its
+activations, so every rank plans the same call and runs its own task list in the threads' task
+loop. The call ends in two waves: "end" goes upstream with the loss and each stage's trace, "done"
+comes back, so a call returns only once every stage finished it, and a failure anywhere is raised
+everywhere. Ranks send tensors and typed tables (wire.py), never pickle.
 """
 from __future__ import annotations
 
@@ -32,10 +28,8 @@ from .wire import Malformed, pack_table, unpack_table
 
 
 def rank_and_device(group, stages: int, devices, module) -> tuple[int, torch.device]:
-    """This process's stage (its rank in `group`) and its device, by the policy of
-    engine.device.resolve_devices, except that "cuda" means this rank's GPU: cuda:LOCAL_RANK (mod
-    the GPUs visible) under torchrun, else cuda:(rank in the world) mod the GPUs, so that the
-    replicas' stages do not all share the GPUs of the first pipeline."""
+    """This process's stage (its rank in `group`) and device (device.resolve_devices), where "cuda"
+    means cuda:LOCAL_RANK (else the world rank) mod the GPUs, so replicas do not share the first's GPUs."""
     ranks = check_group(group, stages)
     if str(devices) == "cuda" and torch.cuda.is_available():
         local = int(os.environ.get("LOCAL_RANK", dist.get_rank())) % torch.cuda.device_count()
@@ -67,8 +61,7 @@ class RankRunner:
 
     @contextmanager
     def calling(self):
-        """The scope of one call on this rank: a failure here is named and told to every rank; the
-        call's state is dropped at its end whatever happens."""
+        """One call on this rank: a failure here is named and told to every rank; state is dropped after."""
         self.transport.begin(self.calls)
         self.calls += 1
         try:
@@ -87,8 +80,8 @@ class RankRunner:
         return self.transport.agree(decision)
 
     def run(self, call: Call, on_event: EventCallback = None, serial: bool = False):
-        """Run this rank's tasks of the call; return (the loss on every rank for a step; the output on
-        the last stage's rank for a forward, None elsewhere) and the trace of every stage on rank 0."""
+        """Run this rank's tasks; return (the loss on every rank for a step, or the output on the last
+        rank for a forward) and the trace of every stage on rank 0."""
         rank = self.ranks.rank
         t0 = self.local.start(call)  # after the decision arrived: waiting for it is not part of the call
         self.origin = t0 - self.transport.clock_offset
@@ -115,8 +108,7 @@ class RankRunner:
         return result, trace
 
     def side_call(self) -> ProcessTransport:
-        """The transport, in a call of its own for traffic outside the pipe's steps (the benchmark's
-        ping-pong), so that those messages cannot mix with a step's."""
+        """The transport, in a call of its own for traffic outside the steps (the benchmark's ping-pong)."""
         self.transport.begin(self.calls)
         self.calls += 1
         return self.transport
@@ -126,16 +118,13 @@ class RankRunner:
         self.transport.close()
 
     def _piece(self, events: list[Event], t0: float, memory: StageMemory, pending: Optional[Pending]) -> tuple:
-        """This stage's part of the trace, in plain tuples, its times relative to its own start,
-        which is given on rank 0's clock."""
-        messages = [(self.ranks.rank, m.peer, m.direction, m.kind, m.micro, m.nbytes, m.start - t0, m.end - t0)
-                    for m in self.transport.messages()]
+        """This stage's part of the trace in plain tuples, times from its start (given on rank 0's clock)."""
+        messages = [(*m[:6], m[6] - t0, m[7] - t0) for m in self.transport.messages()]
         reductions = [] if pending is None else [(self.ranks.rank, pending.start - t0, pending.end - t0, pending.nbytes)]
         return (t0 - self.transport.clock_offset, [astuple(e) for e in events], messages, astuple(memory), reductions)
 
     def _end_waves(self, loss: Optional[torch.Tensor], total: int, piece: tuple) -> tuple[Optional[torch.Tensor], int, list]:
-        """"end" upstream with the loss, the global batch's size and the trace pieces of this stage
-        and those after it, then "done" downstream: when it arrives every stage has finished the call."""
+        """"end" upstream with the loss, the global batch's size and the trace pieces, then "done" back."""
         ranks, transport = self.ranks, self.transport
         pieces, later = [piece], b""
         if not ranks.is_last:
@@ -151,9 +140,8 @@ class RankRunner:
         return loss, total, pieces
 
     def _read_end(self, value) -> tuple[Optional[torch.Tensor], int, bytes, list]:
-        """The next stage's "end" message as `_end_waves` sends it: the loss (None in a forward
-        call), the global batch's size and the trace pieces of the stages after this one (decoded,
-        and as they came); Malformed, naming the sender, if it is anything else."""
+        """The next stage's "end": loss (None in a forward), global batch size, trace pieces decoded and
+        as they came; Malformed, naming the sender, if it is anything else."""
         peer = self.ranks.rank + 1
         try:
             if not isinstance(value, tuple) or len(value) != 3 or value[1] is None or value[2] is None:
@@ -205,16 +193,13 @@ PIECE = ("f", _schema(Event), _schema(Message), _schema(StageMemory), _schema(Re
 
 
 def encode_pieces(pieces: list) -> bytes:
-    """Trace pieces (RankRunner._piece: a start, then events, messages, memory and reductions as
-    tuples of their fields) in the wire's typed tables, one after another: numbers and short
-    strings, nothing that runs code when read."""
+    """Trace pieces (RankRunner._piece) as the wire's typed tables, one after another."""
     return b"".join(pack_table(schema, rows) for start, events, messages, memory, reductions in pieces
                     for schema, rows in zip(PIECE, ([(start,)], events, messages, [memory], reductions)))
 
 
 def decode_pieces(data: bytes, count: int) -> list:
-    """The `count` trace pieces that `encode_pieces` laid out in `data`; Malformed if it holds
-    anything else."""
+    """The `count` trace pieces `encode_pieces` laid out in `data`; Malformed if it holds anything else."""
     pieces, offset = [], 0
     for _ in range(count):
         tables = []

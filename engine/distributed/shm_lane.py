@@ -1,28 +1,19 @@
 """The lane between stage processes on one host: payloads in shared memory, headers through a FIFO.
 
-Between processes on one machine a message need not cross a socket. Per pair of neighbouring ranks
-and direction there is one FIFO (a named pipe in /dev/shm) that carries each message's header
-(engine/distributed/wire.py), and per kind of message a segment of slots in /dev/shm that the
-sender copies payloads into: one slot per message of a call, each as large as the first payload
-of its kind. A larger payload, or more messages in a call than slots, makes the sender map a new,
-larger segment; its generation travels in the header. The receiving stage thread waits on its
-FIFOs itself (poll, with a timeout so that it still looks at the Store every POLL_SECONDS), copies
-the payload out of its slot and files it: no listener thread, no hand-over of the interpreter
-lock. A slot is written again only in a later call, and a call's end waves guarantee that every
-message of it has been read by then.
+Per neighbour and direction, one FIFO in /dev/shm carries each message's header (wire.py); per kind
+of message, a segment of slots carries payloads, one slot per message of a call. A larger payload,
+or more messages than slots, makes the sender map a new segment, whose generation travels in the
+header. The receiving stage thread polls its FIFOs itself (no listener thread, no hand-over of the
+interpreter lock) and copies the payload out. A slot is reused only in a later call, once the
+call's end waves say every message of it was read.
 
-Spin, then sleep (as NCCL and MPI wait): when every stage process of the host has cores of its
-own, a waiting stage polls without sleeping for up to SPIN_SECONDS before it sleeps in poll. A
-stage that sleeps must be woken, and on a virtual machine that is slow: one way, a message took
-130 to 180 us to a sleeping stage and 40 to 70 us to a spinning one on a 2-core host (`python -m
-lab.bench`, its ping-pong row). Where stages share cores, a spinning stage would take the core
-that the stage it waits for needs, so the lane sleeps at once (`spin_for`).
+Spin, then sleep, as NCCL and MPI wait: where every stage process has cores of its own, a waiting
+stage polls for up to SPIN_SECONDS before it sleeps, since waking a sleeper is slow on a virtual
+machine (`python -m lab.bench`, its ping-pong row); where stages share cores it sleeps at once.
 
-Nothing stays in /dev/shm: a FIFO's name is removed once both ends are open, a segment's once its
-receiver has mapped it (the memory lives on until both processes let go of it or die). A sender
-that dies closes its end of the FIFO, so its receiver reads end-of-file at once and reports the
-rank lost. Whatever a failure left behind (a segment made but not yet mapped) is removed, by the
-pipe's name prefix, when the survivors close their lanes.
+Nothing stays in /dev/shm: a FIFO's name goes once both ends are open, a segment's once its
+receiver mapped it. A sender that dies closes its FIFO, so its receiver reads end-of-file at once.
+What a failure leaves (a segment not yet mapped) is swept by the pipe's prefix when lanes close.
 """
 from __future__ import annotations
 
@@ -49,9 +40,8 @@ SPIN_SECONDS = 0.002  # how long a waiting stage polls before it sleeps, when it
 
 
 def spin_for(processes: int) -> float:
-    """How long a waiting stage spins: GPIPE_SPIN_SECONDS if set (0 never spins; benchmarks set
-    both), else SPIN_SECONDS if `processes` ranks on this host, each with this process's intra-op
-    threads, leave every one a core of its own, else 0 (spinning would take a core another needs)."""
+    """How long a waiting stage spins: GPIPE_SPIN_SECONDS if set, else SPIN_SECONDS if `processes`
+    ranks with this process's intra-op threads leave each a core of its own, else 0."""
     asked = os.environ.get("GPIPE_SPIN_SECONDS")
     if asked is not None:
         try:
@@ -63,8 +53,7 @@ def spin_for(processes: int) -> float:
 
 
 def checked_spin(seconds: float, said: str) -> float:
-    """`seconds` if it is a spin the lane takes (0 up to under a second), else a ValueError that
-    quotes `said`, how the value was given."""
+    """`seconds` if it is a spin from 0 to under a second, else a ValueError quoting `said`."""
     if not 0 <= seconds < 1:
         raise ValueError(f"{said}: expected seconds from 0 to under 1")
     return seconds
@@ -144,8 +133,7 @@ class _Inbox:
         self.said_bye = False
 
     def segment(self, kind: str, generation: int) -> _Segment:
-        """The neighbour's segment of `kind` and `generation`, mapped the first time it is named
-        (OSError if it cannot be: its sender or a failure's clean-up removed it first)."""
+        """The neighbour's segment of `kind` and `generation`, mapped when first named (OSError if gone)."""
         known = self.segments.get(kind)
         if known is None or known[0] != generation:
             if known is not None:
@@ -162,11 +150,9 @@ class _Inbox:
 
 
 class ShmLane:
-    """This rank's shared-memory connections to its neighbouring stages (see the module docstring).
-    `store` is the pipe's Store, `prefix` names its files in /dev/shm (every rank of the pipe is
-    given the same), `on_stall` raises a failure of the call that another rank reported (it is
-    called while a full FIFO keeps a sender waiting, and before a message that cannot be read is
-    reported as malformed), `spin` is how many seconds a wait polls before it sleeps (0: sleep at once)."""
+    """This rank's shared-memory connections to its neighbours. `prefix` names the pipe's files in
+    /dev/shm; `on_stall` raises a failure another rank reported (called while a full FIFO holds a
+    sender, and before calling a message malformed); `spin`: seconds a wait polls before it sleeps."""
 
     name = "shared memory"
     error = None  # no waits on works here: a lost peer shows in `receive` itself
@@ -226,8 +212,8 @@ class ShmLane:
                 raise Lost(destination, error) from None
 
     def receive(self, timeout: float) -> list[Arrival]:
-        """The messages that arrived, read and copied out on the calling (stage) thread; [] after
-        `timeout` seconds without one. Raises Lost if a neighbour closed its end without a goodbye."""
+        """The messages that arrived, copied out on the stage thread; [] after `timeout` seconds. Lost
+        if a neighbour closed its end without a goodbye."""
         arrivals = []
         for fd, _ in self._ready(timeout):
             inbox = self._inboxes[fd]
@@ -245,8 +231,7 @@ class ShmLane:
         return arrivals
 
     def _ready(self, timeout: float) -> list[tuple[int, int]]:
-        """The FIFOs with something to read: polled without sleeping for `self.spin` seconds, then
-        waited for, asleep, for up to `timeout` seconds."""
+        """The FIFOs with something to read: polled for `self.spin` s, then slept on for up to `timeout` s."""
         if self.spin:
             until = time.perf_counter() + self.spin
             while time.perf_counter() < until:
@@ -280,16 +265,14 @@ class ShmLane:
         return arrivals
 
     def _unreadable(self, peer: int, error: BaseException) -> wire.Malformed:
-        """A message from `peer` that cannot be read. While a call is failing that is expected (the
-        failure's clean-up removes segments that a neighbour has not mapped yet), and `on_stall`
-        raises the failure that started it; else the message is malformed, and said so."""
+        """A message from `peer` that cannot be read: the failure in progress, if one is (its clean-up
+        removes unmapped segments, and `on_stall` raises it), else Malformed."""
         self.on_stall()
         reason = f"its payload's segment cannot be opened ({error.strerror})" if isinstance(error, OSError) else error
         return wire.Malformed(f"a message from rank {peer} through shared memory cannot be read: {reason}")
 
     def close(self, step: int) -> None:
-        """Say goodbye to every neighbour, close and unmap everything, remove what is left of the
-        pipe's files (after a failure, segments that no receiver mapped)."""
+        """Say goodbye to every neighbour, close and unmap everything, sweep the pipe's files."""
         header, _ = wire.encode(step, "bye", 0, 0, wire.NO_DECISION, None)
         record = header.numpy().tobytes()
         for peer, fd in self._outboxes.items():

@@ -1,20 +1,13 @@
-"""Stages as processes: how rank i of a torch.distributed group exchanges activations and gradients
-with the ranks of the neighbouring stages.
+"""Stages as processes: how rank i of a group exchanges activations and gradients with its neighbours.
 
-`ProcessTransport` offers a stage's task loop the same `receive` / `send` / `check` calls as the
-thread transport, with messages in the format of wire.py, over one of two lanes (the `Lane` protocol):
+`ProcessTransport` offers the task loop the thread transport's `receive` / `send` / `check`, over a
+`Lane`: shared memory (shm_lane.py) when every rank is on this host and on a CPU, else gloo with
+NCCL for payloads between GPUs (gloo_lane.py; `GPIPE_LANE=gloo` asks for it on one host). The
+stage thread files whatever arrives under its key, so any schedule's order works.
 
-- when every rank of the pipe runs on this host and the stages are on CPUs, shared memory
-  (engine/distributed/shm_lane.py): payloads in slots of /dev/shm, headers through a FIFO that the
-  receiving stage thread waits on itself;
-- otherwise gloo point-to-point, with NCCL for payloads between GPUs
-  (engine/distributed/gloo_lane.py). `GPIPE_LANE=gloo` in the environment asks for it on one host.
-
-Either way the stage thread reads what arrived, in order, and files each value under its key, so
-any schedule's order works. Failures never leave a rank waiting: an exception in a rank's stage is
-written to the group's Store, a side channel every rank reaches, and a rank that waits for a
-message looks there every POLL_SECONDS. A rank that dies closes its connections: its neighbours
-see that at once and tell the Store, from which every other rank learns it.
+Failures never leave a rank waiting: a failing rank writes a note to the group's Store, which a
+waiting rank reads every POLL_SECONDS; a rank that dies closes its connections, and the neighbour
+that sees it tells the Store.
 """
 from __future__ import annotations
 
@@ -25,7 +18,7 @@ import socket
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Optional, Protocol
+from typing import NamedTuple, Optional, Protocol
 
 import torch
 import torch.distributed as dist
@@ -59,20 +52,14 @@ class Lane(Protocol):
     # clock_offset(remote ranks) -> seconds: only lanes that may reach other hosts (gloo)
 
 
-@dataclass(frozen=True)
-class Ranks:
+class Ranks(NamedTuple):
     """Where this process sits: its rank in the pipeline's group (which is its stage) and the size."""
 
     rank: int
     size: int
 
-    @property
-    def is_first(self) -> bool:
-        return self.rank == 0
-
-    @property
-    def is_last(self) -> bool:
-        return self.rank == self.size - 1
+    is_first = property(lambda self: self.rank == 0)
+    is_last = property(lambda self: self.rank == self.size - 1)
 
 
 def check_group(group, stages: int) -> Ranks:
@@ -90,12 +77,6 @@ def check_group(group, stages: int) -> Ranks:
     return Ranks(rank, size)
 
 
-def shm_prefix() -> str:
-    """How this process's pipes name their files in /dev/shm: GPIPE_SHM_PREFIX (a ProcessPool sets it,
-    to remove whatever its children leave) or "gpipe"."""
-    return os.environ.get("GPIPE_SHM_PREFIX", "gpipe")
-
-
 def _clock_id() -> str:
     """Names this machine's clock: perf_counter (CLOCK_MONOTONIC) is shared by its processes."""
     try:
@@ -107,11 +88,8 @@ def _clock_id() -> str:
 
 @dataclass(frozen=True)
 class World:
-    """What every rank of the world told the others when its pipe was made: the pipelines (their
-    ranks), each rank's clock, device type and GPU (its identity: one physical GPU has one, however
-    CUDA_VISIBLE_DEVICES numbers it), and whether its group carries CUDA tensors over NCCL. Every
-    rank of the world makes its pipes in the same order (as torch.distributed's groups require), so
-    the n-th pipe of every rank meets here."""
+    """What every rank told the others when its pipe was made (the n-th pipe of every rank meets
+    here: torch.distributed makes groups in one order on all ranks)."""
 
     store: object                   # the Store under this pipe's prefix, shared by the whole world
     pipelines: list[list[int]]      # the ranks of each pipeline, in one order for every rank
@@ -124,12 +102,6 @@ class World:
     def one_host(self) -> bool:
         return len(set(self.clocks.values())) == 1
 
-    @property
-    def uses_nccl(self) -> bool:
-        """Whether payloads go over NCCL: every rank on a GPU with NCCL in its group, and no GPU
-        shared by two ranks of one machine (NCCL refuses two ranks on one GPU; the host path works)."""
-        return use_nccl(self.device_types, self.nccl, self.gpus)
-
     @classmethod
     def gather(cls, members: list[int], device: torch.device, group) -> "World":
         store = dist.PrefixStore(f"gpipe-lab/{next(_serials)}/", dist.distributed_c10d._get_default_store())
@@ -141,22 +113,18 @@ class World:
 
 
 def use_nccl(device_types: list[str], nccl: list[bool], gpus: list[str]) -> bool:
-    """The lane's choice of NCCL for payloads, from what every rank told (see World.uses_nccl):
-    `gpus` holds each rank's GPU identity."""
+    """Whether payloads go over NCCL: every rank on a GPU, NCCL in every group, no GPU shared."""
     return set(device_types) == {"cuda"} and all(nccl) and one_gpu_each(gpus)
 
 
 def one_gpu_each(gpus: list[str]) -> bool:
-    """Whether no two ranks share a physical GPU (`gpus`: each rank's `gpu_identity`): NCCL refuses
-    two ranks on one GPU."""
+    """Whether no two ranks share a physical GPU (by `gpu_identity`): NCCL refuses that."""
     return len(set(gpus)) == len(gpus)
 
 
 def nccl_in(group) -> bool:
-    """Whether `group` moves CUDA tensors over NCCL. get_backend says "nccl" for a plain NCCL group,
-    but "undefined" or "cpu:gloo,cuda:nccl" for one made without a backend (init_process_group()
-    or init_device_mesh("cuda")) or with one per device type; the group's configuration says which
-    backend serves CUDA tensors."""
+    """Whether `group` moves CUDA tensors over NCCL: its backend is "nccl", or its configuration
+    ("cpu:gloo,cuda:nccl"; init_process_group() without a backend says "undefined") names it."""
     backend = str(dist.get_backend(group)).lower()
     if backend == "nccl":
         return True
@@ -168,9 +136,8 @@ def nccl_in(group) -> bool:
 
 
 def gpu_identity(device: torch.device) -> str:
-    """Which physical GPU `device` is, "" for a CPU: its UUID, the same on every rank and container
-    that sees that GPU, whatever index CUDA_VISIBLE_DEVICES gives it there (without one, this
-    machine's clock and the GPU's PCI location)."""
+    """Which physical GPU `device` is, whatever CUDA_VISIBLE_DEVICES numbers it ("" for a CPU): its
+    UUID, else this machine and the GPU's PCI location."""
     if device.type != "cuda":
         return ""
     properties = torch.cuda.get_device_properties(device)
@@ -179,20 +146,6 @@ def gpu_identity(device: torch.device) -> str:
         return str(uuid_)
     return f"{_clock_id()}/{getattr(properties, 'pci_domain_id', 0)}:{getattr(properties, 'pci_bus_id', 0)}:" \
            f"{getattr(properties, 'pci_device_id', device.index)}"
-
-
-@dataclass(frozen=True)
-class Logged:
-    """One message of a call as this rank saw it; times are perf_counter readings."""
-
-    step: int
-    peer: int
-    direction: str   # what the stage thread spent on it: "send" encodes and hands over, "receive" reads
-    kind: str        # "act" or "grad"
-    micro: int
-    nbytes: int
-    start: float
-    end: float
 
 
 class ProcessTransport:
@@ -215,28 +168,26 @@ class ProcessTransport:
         self._arrived: dict = {}                      # (step, kind, micro, chunk) -> (value, NCCL works or None)
         self._decided = -1                            # the last call whose decision arrived
         self._failure: Optional[StageFailed] = None   # a lost connection: every later wait raises it
-        self._log: list[tuple] = []                   # Logged fields, as tuples
+        self._log: list[tuple] = []                   # (step, *fields of a trace.Message), perf_counter times
         self._closed = False
 
     def _open_lane(self, world: "World", members: list[int], peers: list[int], wraps: bool) -> Lane:
-        """Shared memory when every rank of the world is on this host and every stage on a CPU
-        (unless GPIPE_LANE says gloo), else gloo (and NCCL between GPUs). Every rank of the world
-        decides alike, from what they all told the Store, since gloo's and NCCL's groups are made
-        by all of them together."""
+        """Shared memory for one host of CPUs (unless GPIPE_LANE says gloo), else gloo (and NCCL).
+        Every rank decides alike from the Store: gloo's and NCCL's groups are made by all together."""
         asked = os.environ.get("GPIPE_LANE", "auto")
         if asked not in LANES:
             raise ValueError(f"GPIPE_LANE={asked!r}: expected one of {LANES}")
         on_cpus = set(world.device_types) == {"cpu"}
         if asked != "gloo" and world.one_host and on_cpus and shm_lane.available():
-            if self.ranks.rank == 0:
-                self.store.set("shm/prefix", f"{shm_prefix()}-{uuid.uuid4().hex[:12]}-")
+            if self.ranks.rank == 0:  # a ProcessPool names its children's files, to sweep what they leave
+                self.store.set("shm/prefix", f"{os.environ.get('GPIPE_SHM_PREFIX', 'gpipe')}-{uuid.uuid4().hex[:12]}-")
             prefix = self.store.get("shm/prefix").decode()
             return shm_lane.ShmLane(self.ranks.rank, peers, self.store, f"{shm_lane.SHM}/{prefix}",
                                     on_stall=self.check_failures, spin=shm_lane.spin_for(len(world.clocks)))
         if asked == "shm":
             raise ValueError("GPIPE_LANE=shm but the ranks are not all on this host, or the stages are on GPUs")
-        return GlooLane(self.ranks.rank, world.pipelines, members, peers, self.device, nccl=world.uses_nccl,
-                        wraps=wraps)
+        return GlooLane(self.ranks.rank, world.pipelines, members, peers, self.device,
+                        nccl=use_nccl(world.device_types, world.nccl, world.gpus), wraps=wraps)
 
     # --- one call ---------------------------------------------------------------------------
 
@@ -248,15 +199,13 @@ class ProcessTransport:
         self.lane.begin()
 
     def agree(self, decision: Optional[Decision]) -> Decision:
-        """The current call's decision: the first stage's own (it travels with its activations), or,
-        on the other stages, the one that came with the previous stage's first message."""
+        """The current call's decision: the first stage's own, elsewhere the one its activations brought."""
         self.decision = decision if decision is not None else self._get((self.step, "decision", 0, 0))
         return self.decision
 
     def receive(self, stage: int, key):
-        """What a neighbour sent for the current call under `key`: (value, NCCL works or None). The
-        host waits here until NCCL has delivered it, looking for failures meanwhile: a GPU stream
-        that waited for a lost peer would stall this rank past every check."""
+        """What a neighbour sent for the current call under `key`: (value, NCCL works or None), once
+        NCCL delivered it (the host waits, looking for failures: a stream waiting on a lost peer could not)."""
         value, works = self._get((self.step, *key))
         until_completed(works or [], self._check_receiving, every=POLL_SECONDS)
         for work in works or []:  # a completed work may have failed: wait() would not say so on the host
@@ -268,8 +217,7 @@ class ProcessTransport:
         return value, works
 
     def send(self, source: int, destination: int, key, value: Value) -> None:
-        """Send `value`, for the current call, to the rank that holds chunk `destination`, under `key`
-        (to this very rank, with one stage of several chunks, it is filed directly)."""
+        """Send `value` under `key` to the rank that holds chunk `destination` (filed here if it is this one)."""
         kind, micro, chunk = key
         rank = owner(destination, self.ranks.size)
         if rank == self.ranks.rank:
@@ -278,8 +226,7 @@ class ProcessTransport:
         self._post(rank, kind, micro, chunk, value)
 
     def send_control(self, destination: int, kind: str, value=None, micro: int = 0) -> None:
-        """Send rank `destination` the current call's "end" (upstream) or "done" (downstream) message
-        (or, for a ping-pong, any kind numbered `micro`)."""
+        """Send rank `destination` the call's "end" or "done" (or, for a ping-pong, any kind numbered `micro`)."""
         self._post(destination, kind, micro, 0, value)
 
     def receive_control(self, kind: str, micro: int = 0):
@@ -291,15 +238,15 @@ class ProcessTransport:
         if self._failure is not None:
             raise self._failure
 
-    def messages(self) -> list[Logged]:
-        """The current call's activation and gradient messages, as this rank sent and received them."""
-        return [Logged(*entry) for entry in list(self._log) if entry[0] == self.step]
+    def messages(self) -> list[tuple]:
+        """The current call's activation and gradient messages as this rank sent and read them: the
+        fields of a trace.Message, times as perf_counter readings."""
+        return [entry[1:] for entry in list(self._log) if entry[0] == self.step]
 
     # --- failures ------------------------------------------------------------------------------
 
     def report_failure(self, description: str) -> None:
-        """Tell every rank that this rank's part of the current call failed (the first report stays),
-        in a note of plain text."""
+        """Tell every rank, in a note of plain text, that the current call failed here (the first note stays)."""
         self.lane.abandon()
         try:
             self.shared.compare_set(f"failed/{self.step}", "", description[:NOTE_CHARS])
@@ -321,16 +268,14 @@ class ProcessTransport:
                               f"shares (it lives with the launcher or the process that made it): {error}") from None
 
     def _check_receiving(self) -> None:
-        """While the host waits for an NCCL receive: a connection the lane lost (a dead neighbour's
-        sockets close at once), or a failure told through the store."""
+        """While the host waits for an NCCL receive: a connection the lane lost, or a failure told in the store."""
         if self.lane.error is not None:
             self._failure = self._lost(*self.lane.error)
             raise self._failure
         self.check_failures()
 
     def _lost(self, peer: int, error: BaseException) -> StageFailed:
-        """The connection to `peer` broke: this rank gives up, and tells the others through the store,
-        unless a failure reported there already explains it (a failed rank may close its end first)."""
+        """The connection to `peer` broke: give up and tell the store, unless a reported failure explains it."""
         self.lane.abandon()
         try:
             self.check_failures()
@@ -368,8 +313,8 @@ class ProcessTransport:
             self._decided = header.step  # the first activation of a call brings its decision
             self._arrived[(header.step, "decision", 0, 0)] = header.decision
         if header.kind in ("act", "grad"):
-            self._log.append((header.step, arrival.peer, "receive", header.kind, header.micro, header.payload_bytes,
-                              arrival.start, arrival.end))
+            self._log.append((header.step, self.ranks.rank, arrival.peer, "receive", header.kind, header.micro,
+                              header.payload_bytes, arrival.start, arrival.end))
         self._arrived[(header.step, header.kind, header.micro, header.chunk)] = \
             (wire.rebuild_value(header.form, arrival.tensors), arrival.ready)
 
@@ -382,7 +327,8 @@ class ProcessTransport:
             raise self._failure from None
         if kind in ("act", "grad"):
             nbytes = sum(t.numel() * t.element_size() for t in wire.describe(value)[1] if t is not None)
-            self._log.append((self.step, destination, "send", kind, micro, nbytes, start, time.perf_counter()))
+            self._log.append((self.step, self.ranks.rank, destination, "send", kind, micro, nbytes, start,
+                              time.perf_counter()))
 
     def close(self) -> None:
         """Close the lane: its threads, groups or shared memory (every rank calls it)."""

@@ -1,19 +1,15 @@
 """The wire format between stage processes: a message is one frame of bytes, a header then a payload.
 
-The header (int64 words) says which call and task the message belongs to (step, kind, micro-batch,
-chunk), the call's decision (batch size, base seed: the first stage decides them, the others learn
-them from its messages, see engine/call.py), and for each tensor of the value its dtype, shape and
-requires_grad, or that the entry is missing (None). So uneven last micro-batches and tuple values
-cross processes as they cross threads.
-
-Small payloads travel inside the frame, so a message costs one send into a receive the peer posted
-in advance (a gloo receive posted late costs a round trip, about 100 us on loopback). A payload that
-does not fit in a frame follows as one message per tensor, received straight into tensors of the
-announced shape. Frames are packed with `struct` on NumPy views: a few microseconds a message,
-where the same work as torch ops costs several times that.
+The header (int64 words) names the call and task (step, kind, micro-batch, chunk), carries the call's
+decision (engine/call.py), and describes each tensor of the value (dtype, shape, requires_grad) or
+its absence (None), so uneven micro-batches and tuples cross processes as they cross threads. A
+small payload travels inside the frame, into a receive the peer posted in advance; a larger one
+follows as one message per tensor. Frames are packed with `struct` on NumPy views, several times
+cheaper than torch ops.
 """
 from __future__ import annotations
 
+import math
 import struct
 from dataclasses import dataclass
 from typing import NamedTuple, Optional, Sequence
@@ -37,8 +33,7 @@ NO_DECISION = Decision(0, 0)
 
 
 class Malformed(ValueError):
-    """A message that does not read as this format says: a bug, or a writer that is not a rank of
-    the pipe. Nothing of it is executed or guessed at."""
+    """A message that does not read as this format says; nothing of it is executed or guessed at."""
 
 
 class Lost(Exception):
@@ -57,10 +52,7 @@ class Entry:
 
     @property
     def nbytes(self) -> int:
-        count = 1
-        for size in self.shape:
-            count *= size
-        return count * self.dtype.itemsize
+        return math.prod(self.shape) * self.dtype.itemsize
 
 
 @dataclass(frozen=True)
@@ -81,15 +73,13 @@ class Header:
 
 
 class Arrival(NamedTuple):
-    """One message as a lane handed it to the stage thread: who sent it, its header, its tensors
-    (on this stage's device), what to wait for before using them (the NCCL receives' works, or
-    None), and the stage thread's reading time."""
+    """One message as a lane hands it to the stage thread."""
 
     peer: int
     header: Header
-    tensors: list
-    ready: object
-    start: float
+    tensors: list         # on this stage's device
+    ready: object         # what to wait for before using them (NCCL works, an event), or None
+    start: float          # the stage thread's reading time
     end: float
 
 
@@ -131,8 +121,7 @@ def _bytes_of(tensor: torch.Tensor) -> np.ndarray:
 
 def encode(step: int, kind: str, micro: int, chunk: int, decision: Decision, value,
            inline: bool = True) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """The frame of a message and the tensors that follow it separately: none when the payload fits
-    in the frame, unless `inline=False` (NCCL moves tensors on communicators of their own)."""
+    """The frame of a message and the tensors that follow it (none if the payload fits and `inline`)."""
     form, tensors = describe(value)
     words = [0, step, KINDS.index(kind), micro, chunk, decision.batch, _signed(decision.seed),
              _FORMS.index(form), len(tensors), 0]
@@ -171,8 +160,7 @@ def write_tensors(view: np.ndarray, offset: int, tensors: Sequence[torch.Tensor]
 
 
 def decode_header(view: np.ndarray) -> Header:
-    """Read the header at the start of a received frame (given as its NumPy view); Malformed if it
-    is not one that `encode` wrote."""
+    """The header at the start of a frame's NumPy view; Malformed if `encode` did not write it."""
     try:
         length = struct.unpack_from("<q", view, 0)[0]
         if not _FIXED <= length <= len(view) // 8:
@@ -208,8 +196,8 @@ def _pick(table: tuple, index: int, what: str):
 
 
 def tensors_in(view: np.ndarray, offset: int, header: Header) -> list[Optional[torch.Tensor]]:
-    """The tensors that `header` announces, laid out in `view` from `offset` on (by write_tensors),
-    copied out of it (the buffer is reused for the next message); Malformed if `view` ends first."""
+    """Copies of the tensors `header` announces, laid out in `view` from `offset` (the buffer is
+    reused); Malformed if `view` ends first."""
     needed = sum(_padded(e.nbytes) for e in header.entries if e is not None)
     if offset < 0 or offset + needed > len(view):
         raise Malformed(f"a payload of {needed} bytes at byte {offset} of a buffer of {len(view)}")
@@ -246,11 +234,9 @@ _TABLE = struct.Struct("<qq")  # rows, distinct strings
 
 
 def pack_table(schema: str, rows: Sequence[tuple]) -> bytes:
-    """`rows` in a fixed, typed layout (never pickle): `schema` gives each field's type, "i" an
-    int, "n" a count or None, "f" a float, "s" a short string. The layout: the row count and the
-    count of distinct strings, the strings (a length byte, then UTF-8), then one column per field,
-    in the schema's order: float64 for "f", else int64 (a string as its number among the distinct
-    ones, None as -1)."""
+    """`rows` in a typed layout, never pickle. `schema` types each field: "i" int, "n" count or None,
+    "f" float, "s" short string. Layout: row count, distinct strings (length byte, UTF-8), then one
+    column per field, float64 for "f", else int64 (a string as its index, None as -1)."""
     columns = list(zip(*rows)) if rows else [()] * len(schema)
     strings = sorted({text for kind, column in zip(schema, columns) if kind == "s" for text in column})
     number = {text: i for i, text in enumerate(strings)}
@@ -270,8 +256,7 @@ def pack_table(schema: str, rows: Sequence[tuple]) -> bytes:
 
 
 def unpack_table(schema: str, data: bytes, offset: int = 0) -> tuple[list[tuple], int]:
-    """The rows that `pack_table(schema, ...)` laid out in `data` from `offset` on, and the offset
-    after them; Malformed if `data` does not hold such a table."""
+    """The rows `pack_table(schema, ...)` laid out in `data` from `offset`, and the offset after; or Malformed."""
     try:
         count, distinct = _TABLE.unpack_from(data, offset)
     except struct.error:
