@@ -6,21 +6,16 @@ from typing import Iterable, Optional
 import torch
 from torch import nn
 
-from engine import GPipe
-
 from .config import RunConfig
-from .experiments import build, training_curve
+from .experiments import build, stepper_for, training_curve
 
 
 def pipeline_gradients(config: RunConfig, stages: int, checkpoint: str) -> list[torch.Tensor]:
-    """Gradients of one pipelined step of the configuration (fixed seed, one thread per stage)."""
-    model, (inputs, targets), loss_fn = build(config)
-    pipe = GPipe(model, stages, chunks=config.micro_batches, checkpoint=checkpoint, seed=config.seed,
-                 deferred_batch_norm=True, threads_per_stage=config.threads_per_stage)
-    try:
-        pipe.step(inputs, targets, loss_fn)
-    finally:
-        pipe.close()
+    """Gradients of one pipelined step of the configuration cut into `stages` even stages, as threads."""
+    setting = config.but(stages=stages, checkpoint=checkpoint, transport="threads")
+    model, (inputs, targets), loss_fn = build(setting)
+    with stepper_for(setting, stages, model=model) as stepper:
+        stepper.step(inputs, targets, loss_fn)
     return [p.grad.clone() for p in model.parameters()]
 
 
@@ -64,12 +59,11 @@ def batch_norm_statistics(config: RunConfig, stages: int) -> dict:
     seen = {layer: [] for layer in layers}
     before = {layer: {k: v.clone() for k, v in layer.state_dict().items()} for layer in layers}
     hooks = [layer.register_forward_pre_hook(lambda mod, args: seen[mod].append(args[0].detach())) for layer in layers]
-    pipe = GPipe(model, stages, chunks=config.micro_batches, checkpoint="never", deferred_batch_norm=True,
-                 threads_per_stage=config.threads_per_stage)
     try:
-        pipe.step(inputs, targets, loss_fn)
+        with stepper_for(config.but(stages=stages, checkpoint="never", transport="threads"), stages,
+                         model=model) as stepper:
+            stepper.step(inputs, targets, loss_fn)
     finally:
-        pipe.close()
         for hook in hooks:
             hook.remove()
     worst_mean = worst_var = 0.0
