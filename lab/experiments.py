@@ -50,6 +50,7 @@ class RunRecord:
     boundary_bytes: list[dict] = field(default_factory=list)  # per cut: activations and gradients per step
     boundary_how: str = ""  # "sent between processes" or "sizes of the tensors at each cut"
     rounds: list[dict] = field(default_factory=list)  # per measured step: step, baseline (K=1), bubble, share
+    baseline_events: list[dict] = field(default_factory=list)  # with baseline=True: the median K=1 step's tasks
 
     @property
     def transport(self) -> str:
@@ -207,9 +208,9 @@ def run(config: RunConfig, on_event: Optional[Callable] = None, replay: Union[bo
         measured = []
         for _ in range(rounds):
             loss, trace, wall = pipe.step(inputs, targets, loss_fn)
-            measured.append((trace, loss, wall, single_pipe.step(inputs, targets, loss_fn)[1].makespan
-                             if single_pipe else None))
+            measured.append((trace, loss, wall, single_pipe.step(inputs, targets, loss_fn)[1] if single_pipe else None))
     trace, loss, wall, _ = sorted(measured, key=lambda m: m[0].makespan)[len(measured) // 2]
+    singles = sorted((m[3] for m in measured if m[3] is not None), key=lambda t: t.makespan)
     solo = None
     if replayed:
         solo_pipe = pipeline(config, build(config)[0], balance)
@@ -225,9 +226,10 @@ def run(config: RunConfig, on_event: Optional[Callable] = None, replay: Union[bo
         makespan=trace.makespan, bubble=trace.bubble, samples_per_second=trace.samples_per_second,
         loss=loss, wall=wall, host=host.describe(), solo_events=solo, notes=_notes(config, inputs),
         messages=[asdict(m) for m in trace.messages], boundary_bytes=crossed, boundary_how=how,
-        rounds=[{"step": t.makespan, "baseline": b, "bubble": t.bubble,
+        rounds=[{"step": t.makespan, "baseline": b.makespan if b else None, "bubble": t.bubble,
                  "communication_share": communication_share(t.messages, config.stages, t.makespan)}
-                for t, _, _, b in measured])
+                for t, _, _, b in measured],
+        baseline_events=singles[len(singles) // 2].to_records() if singles else [])
 
 
 @contextmanager

@@ -1,0 +1,306 @@
+"""Where the time of a measured step went: its makespan taken apart into named parts that add up to
+it exactly, and the critical path, the chain of tasks and hand-overs that set the makespan.
+
+    record = breakdown.measure(config)           # a step, its tasks timed alone, and a K=1 step beside it
+    parts = breakdown.of_record(record)          # the median step's Breakdown (parts in seconds)
+    one = breakdown.of_baseline(record)          # the K=1 step's, for the speedup's shortfall from K
+
+It reads the trace the engine records (every task's start and end, and, between stage processes,
+every message's) and the same tasks run one at a time (a serial step, experiments.solo_events).
+Nothing is fitted: every stretch of the step's time is put in exactly one part (Breakdown says how).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterator, Optional
+
+from engine.schedule import Task, upstream
+from engine.trace import Event, Trace
+
+from . import replay
+from .config import MEASURE_ROUNDS, MEASURE_WARMUP, RunConfig
+
+PARTS = ("compute", "recompute", "contention", "schedule bubble", "unequal stages", "messages", "gaps")
+STEP = "measured step"
+
+
+@dataclass(frozen=True)
+class Piece:
+    """A stretch [start, end] (seconds from the step's start) of a chain of the step: a task
+    ("task", its `event`), the hand-over from a task of another stage to the one it fed
+    ("hand-over"), the stretch between two tasks of one stage ("gap"), or the time before the
+    chain's first task ("start"). `stage` is where the stretch was spent (the receiving stage, for
+    a hand-over)."""
+
+    kind: str
+    stage: int
+    start: float
+    end: float
+    event: Optional[Event] = None
+
+    @property
+    def duration(self) -> float:
+        return self.end - self.start
+
+
+@dataclass(frozen=True)
+class Breakdown:
+    """One measured step taken apart: `step` is its makespan T (seconds from its start to the end of
+    its last task, the step time the app and lab.reproduce show); `parts` are seconds in the order
+    of PARTS, each >= 0, and they add up to T.
+
+    The critical stage c is the stage with the most work at one-task-alone speed. At every instant
+    of [0, T] stage c is running a task, waiting for a task of another stage, or in between its own
+    tasks, so T = its task time + its waiting + its own gaps. A task's times: d, as measured;
+    a = min(d, its time in the serial run, alone); and a_mean, the mean alone time of the same op on
+    the same micro-batch over all stages (what every stage would take if the stages were equal).
+    Whatever stretch ell of a task is counted below, it is split in proportion ell/d:
+
+    - compute       = sum over c's F, B, W tasks of min(a, a_mean): its own work at an average
+                      stage's one-task-alone speed;
+    - recompute     = sum of a over the R tasks counted (c's, and those c waited for);
+    - contention    = sum of d - a over the tasks counted: how much slower they ran beside the
+                      other stages than alone (cores, caches, memory bandwidth, the interpreter lock);
+    - schedule bubble = sum of min(a, a_mean) over the tasks of other stages that c waited for:
+                      the fill and drain the schedule itself makes, at this step's task times (on
+                      equal stages, the idle of the unit-cost diagram laid out with those times,
+                      replay.unit_cost(..., costs=...): the tests check it);
+    - unequal stages = sum of a - min(a, a_mean) over the tasks counted: what tasks slower than
+                      the average stage's added (c's own excess, and that of the tasks it waited for);
+    - messages      = the hand-overs c waited for (from the end of the task that fed a task to that
+                      task's start, where that set its start), plus the time a stage's thread spent
+                      sending and reading messages inside the gaps counted below;
+    - gaps          = the rest of the stretches between consecutive tasks of one stage, and before
+                      the first: dispatch, hooks, bookkeeping.
+
+    What c waited for is found on the chain that released it: walk back from the task whose output
+    c waited for, each time to whichever of its releasers ended later (the previous task of its
+    stage, or the task whose output it needed); that chain covers [0, its end] with no hole, so
+    each instant of c's wait falls in exactly one of its pieces (a task, a hand-over, a gap). After
+    c's last task, the wait is the critical path's (`path`: that chain from the step's last task).
+    With one stage nothing is waited for and the step runs one task at a time: its own times are
+    the alone times, so contention, schedule bubble and unequal stages are 0.
+
+    `slowdown` is sum(d) / sum(alone) - 1 over all the step's tasks: how much longer the step's
+    tasks took than the same tasks alone (0 when the tasks were not also timed alone)."""
+
+    label: str
+    step: float
+    parts: dict[str, float]
+    critical_stage: int
+    path: tuple[Piece, ...]
+    slowdown: float
+
+    @property
+    def total(self) -> float:
+        """The parts' sum: the step, up to float rounding."""
+        return sum(self.parts.values())
+
+    def rows(self, setting: str) -> list[dict]:
+        """One row per part and one for the measured step: setting, component, ms."""
+        return ([{"setting": setting, "component": name, "ms": round(seconds * 1e3, 3)}
+                 for name, seconds in self.parts.items()]
+                + [{"setting": setting, "component": STEP, "ms": round(self.step * 1e3, 3)}])
+
+
+def releasers(events: list[Event]) -> dict[Event, Optional[Event]]:
+    """For each task, the task that released it: of the previous task on its stage and the task of
+    another chunk whose output it needed (engine.schedule.upstream), the one that ended later (on a
+    tie, the other stage's: its hand-over is what the task waited for); None for a task that
+    waited for neither."""
+    chunks = 1 + max((e.chunk for e in events), default=0)
+    by_task = {(e.op, e.micro, e.chunk): e for e in events}
+    previous: dict[Event, Optional[Event]] = {}
+    for stage in {e.stage for e in events}:
+        line = sorted((e for e in events if e.stage == stage), key=lambda e: (e.start, e.end))
+        previous.update(zip(line, [None] + line[:-1]))
+    found = {}
+    for e in events:
+        needed = upstream(Task(e.op, e.micro, e.chunk), chunks)
+        feeder = by_task.get((needed.op, needed.micro, needed.chunk)) if needed else None
+        before = previous[e]
+        if feeder is None or (before is not None and before.end > feeder.end):
+            found[e] = before
+        else:
+            found[e] = feeder
+    return found
+
+
+def backwards(last: Event, released: dict[Event, Optional[Event]]) -> Iterator[Piece]:
+    """The chain that released `last`, as pieces from its end back to the step's start: they tile
+    [0, last.end] with no hole and no overlap (a releaser that ends after the start of the task it
+    released, as clocks of two processes can show by microseconds, is cut at that start)."""
+    cursor, task = last.end, last
+    while True:
+        start = min(task.start, cursor)
+        yield Piece("task", task.stage, start, cursor, task)
+        cursor, before = start, released[task]
+        if before is None:
+            break
+        end = min(before.end, cursor)
+        yield Piece("gap" if before.stage == task.stage else "hand-over", task.stage, end, cursor)
+        cursor, task = end, before
+    yield Piece("start", task.stage, 0.0, max(cursor, 0.0))
+
+
+def critical_path(trace: Trace) -> list[Piece]:
+    """The chain of tasks, hand-overs and gaps that set the step's makespan, in time order: from the
+    step's start to the end of its last task."""
+    if not trace.events:
+        return []
+    last = max(trace.events, key=lambda e: (e.end, e.stage))
+    return list(backwards(last, releasers(trace.events)))[::-1]
+
+
+class _Ledger:
+    """The parts as they are summed: what each counted stretch of a task, hand-over or gap adds."""
+
+    def __init__(self, critical: int, alone: dict, mean: dict, messages: dict[int, list]):
+        self.critical, self.alone, self.mean, self.messages = critical, alone, mean, messages
+        self.parts = dict.fromkeys(PARTS, 0.0)
+
+    def task(self, event: Event, length: float) -> None:
+        if length <= 0:
+            return
+        d = event.duration
+        share = length / d
+        a = min(self.alone.get(_key(event), d), d)
+        self.parts["contention"] += share * (d - a)
+        if event.op == "R":
+            self.parts["recompute"] += share * a
+            return
+        base = min(a, self.mean.get((event.op, event.micro), a))
+        self.parts["compute" if event.stage == self.critical else "schedule bubble"] += share * base
+        self.parts["unequal stages"] += share * (a - base)
+
+    def gap(self, stage: int, start: float, end: float) -> None:
+        """A stretch between tasks of `stage`: its messages' time in it, and the rest."""
+        if end <= start:
+            return
+        busy = sum(max(0.0, min(end, b) - max(start, a)) for a, b in self.messages.get(stage, ()))
+        busy = min(busy, end - start)
+        self.parts["messages"] += busy
+        self.parts["gaps"] += end - start - busy
+
+    def waited(self, chain: Iterator[Piece], start: float, end: float) -> None:
+        """Count the pieces of `chain` (going back in time) that fall in [start, end]."""
+        for piece in chain:
+            low, high = max(piece.start, start), min(piece.end, end)
+            if high > low:
+                if piece.kind == "task":
+                    self.task(piece.event, high - low)
+                elif piece.kind == "hand-over":
+                    self.parts["messages"] += high - low
+                elif piece.kind == "gap":
+                    self.gap(piece.stage, low, high)
+                else:
+                    self.parts["gaps"] += high - low
+            if piece.start <= start:
+                return
+
+
+def _key(event: Event) -> tuple:
+    return event.chunk, event.op, event.micro
+
+
+def of_trace(trace: Trace, alone: Optional[list[dict]] = None, label: str = "") -> Breakdown:
+    """The Breakdown of a step's trace (its events and, between processes, its messages), with
+    `alone` the same tasks timed one at a time (records as experiments.solo_events gives them).
+    Without `alone` the step's own task times are taken as the alone times, which holds only for a
+    step that ran one task at a time (one stage, or a serial step): with more stages it is refused."""
+    events = trace.events
+    if not events:
+        raise ValueError("the trace has no tasks: take apart a step that ran")
+    stages = 1 + max(e.stage for e in events)
+    if alone is None and stages > 1:
+        raise ValueError(f"a step of {stages} stages needs its tasks timed alone (alone=, a serial step's "
+                         f"events: experiments.run(..., replay='always') keeps them as solo_events)")
+    times = {_key(e): e.duration for e in events} if alone is None else \
+        {(r.get("chunk", r["stage"]), r["op"], r["micro"]): r["end"] - r["start"] for r in alone}
+    missing = [key for key in map(_key, events) if key not in times]
+    if missing:
+        raise ValueError(f"no alone time for task {missing[0]} (chunk, op, micro): `alone` must time the same tasks")
+    mean: dict = {}
+    for (chunk, op, micro), seconds in times.items():
+        total, count = mean.get((op, micro), (0.0, 0))
+        mean[(op, micro)] = (total + seconds, count + 1)
+    mean = {key: total / count for key, (total, count) in mean.items()}
+    work = [0.0] * stages
+    for e in events:
+        work[e.stage] += times[_key(e)]
+    critical = max(range(stages), key=lambda k: (work[k], k))
+    messages: dict[int, list] = {}
+    for m in trace.messages:
+        messages.setdefault(m.stage, []).append((m.start, m.end))
+    ledger = _Ledger(critical, times, mean, messages)
+    released = releasers(events)
+    chunks = 1 + max(e.chunk for e in events)
+    by_task = {(e.op, e.micro, e.chunk): e for e in events}
+    cursor = 0.0
+    for e in sorted((e for e in events if e.stage == critical), key=lambda e: (e.start, e.end)):
+        needed = upstream(Task(e.op, e.micro, e.chunk), chunks)
+        feeder = by_task.get((needed.op, needed.micro, needed.chunk)) if needed else None
+        start = max(e.start, cursor)
+        if feeder is not None and feeder.stage != critical and feeder.end > cursor:
+            until = min(feeder.end, start)
+            ledger.waited(backwards(feeder, released), cursor, until)
+            ledger.parts["messages"] += start - until
+        else:
+            ledger.gap(critical, cursor, start)
+        ledger.task(e, e.end - start)
+        cursor = max(cursor, e.end)
+    path = critical_path(trace)
+    makespan = trace.makespan
+    ledger.waited(iter(path[::-1]), cursor, makespan)
+    measured = sum(e.duration for e in events)
+    alone_total = sum(times[_key(e)] for e in events)
+    return Breakdown(label, makespan, ledger.parts, critical, tuple(path),
+                     0.0 if alone is None else measured / alone_total - 1)
+
+
+def of_record(record, alone: Optional[list[dict]] = None) -> Breakdown:
+    """The Breakdown of a lab RunRecord's step (the median of its rounds), with its tasks timed alone:
+    `alone`, else the record's own solo_events (a step of one stage needs neither)."""
+    line = replay.measured(record.events, record.stages, replay.how_obtained("measured", record.transport),
+                           record.messages)
+    return of_trace(line.trace, alone if alone is not None else record.solo_events, line.label)
+
+
+def of_baseline(record) -> Breakdown:
+    """The Breakdown of the K=1 step measured beside the record's median step (run with
+    baseline=True): one stage on one thread, one task at a time."""
+    if not record.baseline_events:
+        raise ValueError("the record has no K=1 step: measure it with experiments.run(..., baseline=True)")
+    return of_trace(replay.measured(record.baseline_events, 1).trace, label="K=1")
+
+
+def alone_events(record) -> list[dict]:
+    """The record's tasks timed alone: its solo_events, or, if it has none, a serial step of its
+    configuration and balance run now in this process (the shortest of two, per task)."""
+    if record.solo_events:
+        return record.solo_events
+    from .experiments import build, pipeline, solo_events  # torch loads only when a step runs
+
+    config = RunConfig(**record.config)
+    model, (inputs, targets), loss_fn = build(config)
+    pipe = pipeline(config, model, record.balance)
+    try:
+        return solo_events(pipe, inputs, targets, loss_fn)
+    finally:
+        pipe.close()
+
+
+def measure(config: RunConfig, rounds: int = MEASURE_ROUNDS, warmup: int = MEASURE_WARMUP):
+    """Measure a configuration as the app does (warm-up steps, then rounds of one step beside one
+    K=1 step) and time its tasks alone too: a RunRecord that of_record and of_baseline take apart."""
+    from .experiments import run  # torch loads only when a step runs
+
+    return run(config, replay="always", rounds=rounds, warmup=warmup, baseline=True)
+
+
+def shortfall(step: Breakdown, single: Breakdown, stages: int) -> dict[str, float]:
+    """Why the step is not the K=1 step divided by K, part by part: each part of the step minus the
+    same part of the K=1 step over K (seconds; negative where the step spends less). They add up
+    to step.step - single.step / K: what keeps the speedup from K."""
+    return {name: step.parts[name] - single.parts[name] / stages for name in PARTS}
+
