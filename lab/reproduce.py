@@ -7,6 +7,7 @@
     python -m lab.reproduce transports [--model M] [--width W] [--batch N] [--stages K] [--micro-batches M]
                                        [--stages-as both|threads|processes] [--quick]
     python -m lab.reproduce schedules [--stages K] [--virtual V] [--quick] [--out DIR]
+    python -m lab.reproduce breakdown [--quick] [--out DIR]
     python -m lab.reproduce all     [--quick] [--out DIR]
 
 Each command writes <out>/<name>.md, .csv and .html (a Plotly chart) and prints the markdown table
@@ -28,8 +29,8 @@ from tqdm import tqdm
 
 from engine.device import keep_freed_cpu_memory
 
-from . import fit, host, peers, schedule_race, speedup, theory
-from .config import APP_DEFAULT, MEASURE_ROUNDS, RunConfig, measure_rounds
+from . import breakdown, fit, host, peers, schedule_race, speedup, theory
+from .config import APP_DEFAULT, MEASURE_ROUNDS, MEASURE_WARMUP, RunConfig, measure_rounds
 from .config import check as check_config
 
 
@@ -48,6 +49,7 @@ def parser() -> argparse.ArgumentParser:
                             ("peers", "our engine vs torch.distributed.pipelining and torchgpipe"),
                             ("transports", "stages as threads vs as processes at one setting (the app's default)"),
                             ("schedules", "GPipe, 1F1B, interleaved 1F1B and ZB-H1 side by side, by M"),
+                            ("breakdown", "where the time of a step went, part by part, for three models"),
                             ("all", "speedup, memory and peers")):
         command = commands.add_parser(name, help=help_text)
         command.add_argument("--quick", action="store_true", help="small sizes: seconds, for a smoke run or CI")
@@ -245,6 +247,43 @@ def schedules_rows(args, progress) -> Iterator[dict]:
                    "micro-batches held, theory (max stage)": max(result.theory_in_flight())}
 
 
+def breakdown_settings(quick: bool, seed: int = 0) -> list[tuple[str, RunConfig]]:
+    """The steps the breakdown takes apart, by name: the app's default, a small model (8 x
+    Linear(256)+ReLU, batch 64) and the peers race's large one (8 x Linear(1024)+ReLU, batch 512),
+    both at K=2, M=8 without recompute as in the race; --quick shrinks them to seconds."""
+    mlp = RunConfig(model="mlp", blocks=8, stages=2, micro_batches=8, checkpoint="never", seed=seed)
+    settings = [("app default", APP_DEFAULT.but(seed=seed)), ("small model", mlp.but(width=256, batch=64)),
+                ("large model", mlp.but(width=1024, batch=512))]
+    if quick:
+        settings = [("app default", APP_DEFAULT.but(width=32, blocks=2, batch=16, micro_batches=4, seed=seed)),
+                    ("small model", mlp.but(blocks=4, width=64, batch=16, micro_batches=4)),
+                    ("large model", mlp.but(blocks=4, width=256, batch=128, micro_batches=4))]
+    return settings
+
+
+def breakdown_rows(args, progress) -> Iterator[dict]:
+    """Each setting with its stages as processes, then as threads, measured as the app measures
+    (rounds of a step beside a K=1 step; one round with --quick) with its tasks also timed alone:
+    the median step's parts, then those of the K=1 step measured beside the threads."""
+    rounds, warmup = (1, 1) if args.quick else (measure_rounds(), MEASURE_WARMUP)
+    for name, config in breakdown_settings(args.quick, args.seed):
+        for transport in ("processes", "threads"):
+            record = breakdown.measure(config.but(transport=transport), rounds, warmup)
+            progress(f"{name}, {transport}")
+            yield from breakdown.of_record(record).rows(f"{name}, K={config.stages}, {transport}")
+        yield from breakdown.of_baseline(record).rows(f"{name}, K=1")
+
+
+def wide(rows: list[dict]) -> list[dict]:
+    """The breakdown's rows (setting, component, ms) as one row per component, a column per setting."""
+    settings = list(dict.fromkeys(r["setting"] for r in rows))
+    table: dict[str, dict] = {}
+    for r in rows:
+        table.setdefault(r["component"], {"component (ms)": r["component"]})[r["setting"]] = r["ms"]
+    return [{"component (ms)": entry["component (ms)"], **{s: entry.get(s) for s in settings}}
+            for entry in table.values()]
+
+
 def transports_rows(args, progress) -> Iterator[dict]:
     kinds = ("threads", "processes") if args.stages_as == "both" else (args.stages_as,)
     rounds = 1 if args.quick else transports_rounds(args)
@@ -307,6 +346,13 @@ def chart(name: str, rows: list[dict]) -> go.Figure:
                                line_dash="dot")
         figure.update_layout(title="Bubble by schedule and M", xaxis_title="M", yaxis_title="bubble",
                              yaxis_tickformat=".0%")
+    elif name == "breakdown" and rows:
+        for component, group in frame[frame["component"] != breakdown.STEP].groupby("component", sort=False):
+            figure.add_bar(name=component, x=group["setting"], y=group["ms"])
+        steps = frame[frame["component"] == breakdown.STEP]
+        figure.add_scatter(name=breakdown.STEP, x=steps["setting"], y=steps["ms"], mode="markers",
+                           marker=dict(symbol="line-ew-open", size=30, line_width=3, color="#333"))
+        figure.update_layout(title="Where the time of each step went", barmode="stack", yaxis_title="ms")
     elif name == "transports" and rows:
         figure.add_bar(x=frame["stages run as"], y=frame["speedup over K=1"], text=frame["speedup range"],
                        hovertemplate="%{x}: %{y:.2f}x (rounds %{text})<extra></extra>")
@@ -322,6 +368,9 @@ DETAILS = {
     "schedules": "the same step under each schedule; measured where the host has a core per stage, else the "
                  "ideal replay of task times measured one at a time; theory: unit costs (F=1, B=2; zb-h1: "
                  "F=B=W=1); memory: the ledger's activation peak",
+    "breakdown": "each median step's makespan as parts that add up to it (lab/breakdown.py defines them): "
+                 "compute of the critical stage and recompute at one-task-alone speed, contention beside the "
+                 "other stages, the schedule's bubble, unequal stages, messages and gaps; one core per stage",
     "transports": "the same steps with the stages as threads of one process and as one process each (gloo); "
                   "one core per stage; speedup = median per-round ratio to K=1 of the same round",
 }
@@ -356,6 +405,11 @@ def run_command(name: str, args, rows_of: Callable, out: Path) -> list[dict]:
         base = transports_config(args)
         lines.append(f"{model_line(base)}, K={base.stages}, M={base.micro_batches}, checkpoint {base.checkpoint}, "
                      f"{1 if args.quick else transports_rounds(args)} round(s)")
+    if name == "breakdown":
+        lines += [f"{model_line(config)}, K={config.stages}, M={config.micro_batches}, checkpoint {config.checkpoint} "
+                  f"({name})" for name, config in breakdown_settings(args.quick, args.seed)]
+        lines.append(f"# {1 if args.quick else measure_rounds()} round(s), each a step beside a K=1 step; the "
+                     f"tasks also timed one at a time (serial steps)")
     if name == "peers":
         work, micros, rounds = peers_workload(args)
         lines.append(f"# model {work.blocks} x (Linear({work.width},{work.width}) + ReLU), batch {work.batch}, "
@@ -374,7 +428,7 @@ def run_command(name: str, args, rows_of: Callable, out: Path) -> list[dict]:
             interrupted = True
             lines.append("# interrupted: the rows below are those finished before Ctrl-C")
     out.mkdir(parents=True, exist_ok=True)
-    table = markdown(rows)
+    table = markdown(wide(rows) if name == "breakdown" else rows)
     (out / f"{name}.md").write_text("\n".join(lines) + "\n\n" + table + "\n")
     pd.DataFrame(rows).to_csv(out / f"{name}.csv", index=False)
     chart(name, rows).write_html(out / f"{name}.html", include_plotlyjs=True)
@@ -394,7 +448,7 @@ def run_command(name: str, args, rows_of: Callable, out: Path) -> list[dict]:
 
 
 COMMANDS = {"speedup": speedup_rows, "memory": memory_rows, "peers": peers_rows, "transports": transports_rows,
-            "schedules": schedules_rows}
+            "schedules": schedules_rows, "breakdown": breakdown_rows}
 ALL = ("speedup", "memory", "peers")
 
 
