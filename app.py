@@ -11,7 +11,7 @@ from typing import Optional
 
 import streamlit as st
 
-from lab import charts, replay, theory  # these and lab.config load without torch: see open_page
+from lab import breakdown, charts, replay, theory  # these and lab.config load without torch: see open_page
 from lab.config import (APP_DEFAULT, BALANCES, MEASURE_WARMUP, MODEL_CARDS, PAGE_BATCHES, PAGE_BLOCKS, PAGE_MICRO,
                         PAGE_PINS, PAGE_SEED, PAGE_STAGES, PAGE_VIRTUAL, PAGE_WIDTHS, SCHEDULE_ORDER, RunConfig, check,
                         check_page, measure_rounds, micro_batch_count, visible_gpus)
@@ -53,6 +53,14 @@ def schedule_runs(config: RunConfig) -> tuple[list, list[str]]:
     """The four schedules at these settings (and why any was left out); cached."""
     skipped: list[str] = []
     return list(schedule_race.compare(config, virtual=max(2, config.virtual_stages), skipped=skipped)), skipped
+
+
+@st.cache_data(max_entries=20, show_spinner=False)
+def time_went(config: RunConfig) -> tuple:
+    """The measured run's median step and the K=1 step beside it, taken apart (lab.breakdown); the
+    step's tasks are timed alone here if the run did not time them; cached."""
+    record = measured_run(config)
+    return breakdown.of_record(record, breakdown.alone_events(record)), breakdown.of_baseline(record)
 
 
 @st.cache_data(max_entries=20, show_spinner=False)
@@ -173,11 +181,16 @@ def show_pipeline(record: RunRecord, config: RunConfig) -> None:
     if waited is not None:
         st.caption(f"This run waited its turn for {waited:.1f} s: another session was using the shared stage "
                    f"processes (one run at a time, so runs never disturb each other's timings).")
-    st.plotly_chart(charts.gantt(replay.of_record(record, view)), key="gantt")
+    line = replay.of_record(record, view)
+    st.plotly_chart(charts.gantt(line, critical=breakdown.critical_path(line.trace) if view == "measured" else ()),
+                    key="gantt")
     if record.messages and view == "measured":
         st.caption("Under each stage, its own thread's time spent on messages: encoding and handing over what it "
                    "sends (act m forward, grad m back), reading what arrived. The gap between a send and the "
                    "matching read is the message on its way, or waiting while its receiver computes.")
+    if view == "measured":
+        st.caption("The black line is the critical path: the chain of tasks and hand-overs that set the step's time "
+                   "(each task started when the later of its stage's previous task and its input was done).")
 
 
 def show_numbers(record: RunRecord, config: RunConfig) -> None:
@@ -206,7 +219,31 @@ def show_numbers(record: RunRecord, config: RunConfig) -> None:
     st.caption("The measured speedup can exceed K·M/(M+K-1): the K=1 step runs M small micro-batches one after "
                f"another on one {unit}, while each stage of the pipeline keeps only its own layers' weights and "
                "activations hot in its cache.")
+    show_time_went(config)
     show_traffic(record, config)
+
+
+def show_time_went(config: RunConfig) -> None:
+    """Where the median step's time went, beside the K=1 step's, and the speedup's shortfall from K as
+    the difference of the two, part by part (lab.breakdown defines the parts)."""
+    step, single = time_went(config)
+    stages = config.stages
+    figures = [charts.waterfall(step.parts, step.step, f"Where the time went: K={stages}, median step")]
+    if stages > 1:
+        figures += [charts.waterfall(single.parts, single.step, "K=1 step, beside it"),
+                    charts.waterfall(breakdown.shortfall(step, single, stages), step.step,
+                                     f"From the K=1 step / {stages} to this step",
+                                     start=(f"K=1 step / {stages}", single.step / stages))]
+    for index, (column, figure) in enumerate(zip(st.columns(len(figures)), figures)):
+        column.plotly_chart(figure, key=f"time_went_{index}")
+    st.caption(f"Every part is measured, and the parts add up to the step. The critical stage (stage "
+               f"{step.critical_stage}, the one with the most work) computes at its one-task-alone speed (the "
+               "same tasks run one at a time); contention is how much "
+               "slower the tasks ran beside the other stages; the schedule's bubble and unequal stages are the "
+               "critical stage waiting for others' tasks; messages are hand-overs it waited for; gaps are the time "
+               f"between tasks. Here the step's tasks took {step.slowdown:.0%} longer than alone. The last chart "
+               f"starts from the K=1 step divided by K, a speedup of exactly K, and adds what each part costs "
+               "more (or less) than its K=1 share.")
 
 
 def show_traffic(record: RunRecord, config: RunConfig) -> None:

@@ -28,12 +28,15 @@ def message_row(stage: int) -> str:
     return f"stage {stage} · messages"
 
 
-def gantt(timeline: Timeline, title: Optional[str] = None, height: Optional[int] = None) -> go.Figure:
+def gantt(timeline: Timeline, title: Optional[str] = None, height: Optional[int] = None,
+          critical: Sequence = ()) -> go.Figure:
     """Per-stage Gantt chart: one horizontal-bar trace per op (forward, recompute, backward, weight
     gradient), each bar labelled with its micro-batch (and "@chunk" when stages hold several chunks);
     empty stretches are the idle time (the bubble). When the stages were processes, a row under
     each stage shows its thread sending and reading messages ("act 3" forward, "grad 3" back);
-    with replicas, an "all-reduce" bar after each stage's last task shows its gradients' sum."""
+    with replicas, an "all-reduce" bar after each stage's last task shows its gradients' sum.
+    `critical`, the pieces of a critical path (lab.breakdown.critical_path), is drawn over the bars
+    as one line (critical_path_line)."""
     figure = go.Figure()
     scale = 1000.0 if timeline.unit == "s" else 1.0
     unit = "ms" if timeline.unit == "s" else timeline.unit
@@ -75,10 +78,51 @@ def gantt(timeline: Timeline, title: Optional[str] = None, height: Optional[int]
         rows = [row for k in range(timeline.stages) for row in (f"stage {k}", message_row(k))]
     default_title = (f"{timeline.label}: makespan {timeline.makespan * scale:.1f} {unit}, "
                      f"bubble {timeline.bubble:.0%}")
+    if critical:
+        figure.add_trace(critical_path_line(critical, scale, unit))
     figure.update_layout(
         title=title or default_title, barmode="overlay", bargap=0.25, legend_title_text="task",
         xaxis_title=f"time ({unit})", height=height or 120 + 40 * len(rows),
         yaxis=dict(categoryorder="array", categoryarray=rows[::-1]), margin=dict(l=10, r=10, t=50, b=40))
+    return figure
+
+
+def critical_path_line(pieces: Sequence, scale: float = 1000.0, unit: str = "ms") -> go.Scatter:
+    """The critical path as one line over a Gantt chart: along each of its tasks on that task's
+    stage row, jumping rows where a hand-over carried an activation or a gradient to the next
+    stage. Its points say what each piece was (task, hand-over, gap) and how long it took."""
+    x, y, text = [], [], []
+    for piece in pieces:
+        if piece.kind == "start":
+            continue
+        what = (f"{OPS[piece.event.op][0]} {piece.event.micro}" if piece.kind == "task" else piece.kind)
+        for at in (piece.start, piece.end):
+            x.append(at * scale)
+            y.append(f"stage {piece.stage}")
+            text.append(f"{what}, {(piece.end - piece.start) * scale:.2f} {unit}")
+    return go.Scatter(name="critical path", x=x, y=y, text=text, mode="lines", line=dict(color="#222", width=2.5),
+                      hovertemplate="critical path: %{text}<extra>%{y}</extra>")
+
+
+WATERFALL_COLORS = {"increasing": "#E45756", "decreasing": "#54A24B", "totals": "#4C78A8"}
+
+
+def waterfall(parts: dict[str, float], step: float, title: str, start: Optional[tuple[str, float]] = None) -> go.Figure:
+    """Where a step's time went, as a waterfall: one bar per part (seconds in `parts`, shown in ms)
+    climbing to a last bar, the measured `step`. With `start`, (name, seconds), the climb begins
+    from that bar instead of 0 and a part may be negative (it shortened the step)."""
+    names = ([start[0]] if start else []) + list(parts) + ["measured step"]
+    values = ([start[1]] if start else []) + list(parts.values()) + [step]
+    measures = (["absolute"] if start else []) + ["relative"] * len(parts) + ["total"]
+    figure = go.Figure(go.Waterfall(
+        name="where the time went", x=names, y=[v * 1e3 for v in values], measure=measures,
+        text=[f"{v * 1e3:+.1f}" if m == "relative" and start else f"{v * 1e3:.1f}" for v, m in zip(values, measures)],
+        textposition="outside", connector=dict(line=dict(color="#999", width=1)),
+        increasing=dict(marker_color=WATERFALL_COLORS["increasing"]),
+        decreasing=dict(marker_color=WATERFALL_COLORS["decreasing"]),
+        totals=dict(marker_color=WATERFALL_COLORS["totals"]),
+        hovertemplate="%{x}: %{y:.2f} ms<extra></extra>"))
+    figure.update_layout(title=title, yaxis_title="ms", showlegend=False, margin=dict(l=10, r=10, t=50, b=40))
     return figure
 
 
