@@ -1,6 +1,7 @@
 """The app in a real headless Chromium: it renders the Gantt chart and reacts to the M slider."""
 import csv
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -295,3 +296,34 @@ def test_three_sessions_at_once_share_the_stage_processes_without_errors(server)
             assert page.locator("[data-testid='stException']").count() == 0
             assert page.locator("[data-testid='stAlertContentError']").count() == 0
         assert not problems_in(log_path), "\n".join(problems_in(log_path)[:20])
+
+
+WATERFALLS = ("() => [...document.querySelectorAll('.js-plotly-plot')].filter(p => p.data && p.data.length && "
+              "p.data[0].type === 'waterfall').map(p => ({title: p.layout.title.text, x: p.data[0].x, "
+              "y: p.data[0].y, measure: p.data[0].measure}))")
+
+
+@pytest.mark.timeout(300)
+def test_where_the_time_went_is_drawn_beside_the_metrics_and_adds_up(server):
+    """Section 2's waterfalls, read back from the page's Plotly figures: the median step's parts and
+    the K=1 step's, each climbing from 0 through parts none negative to its measured step, and the
+    shortfall from the K=1 step / K to the step; the measured Gantt carries the critical path."""
+    server, log_path = server
+    with chromium() as browser:
+        page = browser.new_page(viewport={"width": 1400, "height": 1000})
+        page.goto(server)
+        page.wait_for_function(FINAL_GANTT_READY, timeout=120_000, polling=500)
+        page.wait_for_function(f"() => ({WATERFALLS})().length === 3", timeout=120_000, polling=500)
+        falls = page.evaluate(WATERFALLS)
+        assert page.evaluate(f"() => {GANTT}.data.some(t => t.name === 'critical path' && t.x.length > 0)")
+        assert page.locator("[data-testid='stException']").count() == 0
+    assert [re.sub("<[^>]+>", "", fall["title"]) for fall in falls] == [  # Streamlit's theme makes titles bold
+        "Where the time went: K=2, median step", "K=1 step, beside it", "From the K=1 step / 2 to this step"]
+    for fall in falls:
+        assert fall["measure"][-1] == "total" and fall["x"][-1] == "measured step"
+        climbed = sum(fall["y"][:-1])
+        assert abs(climbed - fall["y"][-1]) <= 0.02 * fall["y"][-1], fall
+    for fall in falls[:2]:
+        assert set(fall["measure"][:-1]) == {"relative"} and min(fall["y"]) >= 0, fall
+    assert falls[2]["measure"][0] == "absolute" and falls[2]["y"][0] == pytest.approx(falls[1]["y"][-1] / 2, rel=1e-3)
+    assert not problems_in(log_path), "\n".join(problems_in(log_path)[:20])
