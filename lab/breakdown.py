@@ -276,9 +276,12 @@ def of_baseline(record) -> Breakdown:
 
 def alone_events(record) -> list[dict]:
     """The record's tasks timed alone: its solo_events, or, if it has none, a serial step of its
-    configuration and balance run now in this process (the shortest of two, per task)."""
+    configuration and balance run now in this process (the shortest of two, per task). A step of
+    one stage ran one task at a time: its own events are."""
     if record.solo_events:
         return record.solo_events
+    if record.stages == 1:
+        return record.events
     from .experiments import build, pipeline, solo_events  # torch loads only when a step runs
 
     config = RunConfig(**record.config)
