@@ -9,7 +9,7 @@
 Reading path, core first (each file has one job):
  1. pipe.py       GPipe: cut the model, plan each call, hand it to a runner
  2. call.py       the first stage's Decision and the Call every stage plans alike
- 3. schedule.py   the task lists (fill-drain, 1F1B, interleaved, ZB-H1) as pure data
+ 3. schedule.py   task lists (GPipe, 1F1B, interleaved, ZB-H1, ZB-V, or written) as pure data
  4. runner.py     run_tasks, the one task loop; the Runner protocol; ThreadRunner
  5. stages.py     the stages one process runs: start, settle, conclude a call
  6. chunk.py      a piece of layers and its tasks: forward, recompute, backward, weights

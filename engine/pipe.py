@@ -24,8 +24,10 @@ class GPipe(nn.Module):
     `schedule` orders the tasks (engine/schedule.py): "gpipe" (fill-drain, the default), "1f1b"
     (same gradients up to summation order, fewer micro-batches held at once), "interleaved"
     (`virtual_stages=v` chunks per stage, chunk c on stage c % K; `balance` then describes the K*v
-    chunks, an int meaning K stages of v chunks; M must be a multiple of K) or "zb-h1" (each backward
-    split into an input-gradient task B and a deferred weight-gradient task W).
+    chunks, an int meaning K stages of v chunks; M must be a multiple of K), "zb-h1" (each backward
+    split into an input-gradient task B and a deferred weight-gradient task W), "zb-v" (two chunks
+    per stage in a V, W split off), or a `schedule.Schedule` a person wrote (its own K, v, placement
+    and M; checked here, and refused with the first problem named).
     The stages are made of the model's own layers (nothing is copied), so an optimizer over
     `pipe.parameters()` (or, on CPU, over the model's) trains the model itself. Gradients equal
     those of the whole mini-batch on one device; see docs/engine.md for what "equal" means bit for bit.
@@ -53,14 +55,21 @@ class GPipe(nn.Module):
     def __init__(self, module: nn.Sequential, balance: Union[int, Sequence[int]], *,
                  devices: Optional[Sequence] = None, chunks: int = 1, checkpoint: str = "except_last",
                  deferred_batch_norm: bool = False, seed: Optional[int] = None,
-                 threads_per_stage: Optional[int] = None, record_memory: bool = True, schedule: str = "gpipe",
-                 group=None, virtual_stages: int = 1, data_parallel=None):
+                 threads_per_stage: Optional[int] = None, record_memory: bool = True,
+                 schedule: Union[str, schedules.Schedule] = "gpipe", group=None, virtual_stages: int = 1, data_parallel=None):
         super().__init__()
         if data_parallel is not None and group is None:
             raise ValueError("data_parallel= needs group= too: replicas of a pipeline are processes, each running "
                              "one stage (pass the 'pp' and 'dp' groups of a DeviceMesh, or groups from new_group)")
         check_module(module)
-        self.schedule = schedules.check_schedule(schedule)
+        written = isinstance(schedule, schedules.Schedule)
+        self.schedule = schedule if written else schedules.check_schedule(schedule)
+        if written:
+            virtual_stages, uneven = divmod(len(schedule.placement), max(len(schedule), 1))
+            if uneven or not virtual_stages:
+                raise ValueError(f"the placement {schedule.placement} gives the {len(schedule)} stages unequal "
+                                 f"numbers of chunks; expected the same number on every stage")
+            schedule = "written"
         schedules.check_layout(schedule, 1, None, virtual_stages)
         self.virtual_stages = virtual_stages
         self.balance = _chunk_balance(balance, len(module), virtual_stages, schedule)
@@ -70,6 +79,9 @@ class GPipe(nn.Module):
         schedules.check_layout(schedule, stages, chunks, virtual_stages)
         self.micro_batches = chunks  # M: `chunks=` is torchgpipe's keyword for it; a chunk here is a piece of layers
         self.checkpoint = schedules.check_checkpoint_mode(checkpoint)
+        if written and len(self.schedule) != stages:
+            raise ValueError(f"the schedule has {len(self.schedule)} stages but balance makes {stages}")
+        self.placement = self.task_lists(chunks).placement  # checks a written schedule: its problem, named
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
             raise TypeError(f"seed={seed!r}: expected an int or None")
         self.seed = seed
@@ -95,7 +107,7 @@ class GPipe(nn.Module):
         stage_devices = {stage: StageDevice(device, threads_per_stage) for stage, device in placed.items()}
         chunk_map: dict[int, Chunk] = {}
         for stage, stage_device in stage_devices.items():
-            for c in range(stage, count, stages):
+            for c in (c for c in range(count) if self.placement[c] == stage):
                 partitions[c].to(stage_device.device)
                 chunk_map[c] = Chunk(c, count, partitions[c], firsts[c], stage_device, deferred_batch_norm, stage)
         self.local_chunks = sorted(chunk_map)  # the chunks this process runs, in model order
@@ -106,7 +118,7 @@ class GPipe(nn.Module):
         else:
             from .distributed.runner import RankRunner
             _release_all_but(module, self.partitions)
-            self.runner = RankRunner(self._local, group, stages, wraps=virtual_stages > 1, data_parallel=data_parallel)
+            self.runner = RankRunner(self._local, group, stages, self.placement, data_parallel=data_parallel)
         self.steps_done = 0
         self.trace = Trace(stages=stages, checkpoint=checkpoint)
 
@@ -153,11 +165,18 @@ class GPipe(nn.Module):
         stages as processes, on rank 0's clock): an event's times are seconds from it."""
         return self.runner.origin
 
-    def task_lists(self, micro_batches: int, training: bool = True) -> list[list[schedules.Task]]:
-        """Each stage's task list for a call of `micro_batches` micro-batches."""
+    def task_lists(self, micro_batches: int, training: bool = True) -> schedules.Schedule:
+        """Each stage's task list, and the placement of chunks, for a call of `micro_batches` micro-batches."""
         if not training:
-            return schedules.forward_only(self.stages, micro_batches, self.virtual_stages)
-        return schedules.SCHEDULES[self.schedule](self.stages, micro_batches, self.checkpoint, self.virtual_stages)
+            return schedules.forward_only(self.placement, micro_batches)
+        if isinstance(self.schedule, str):
+            return schedules.Schedule(schedules.NAMED[self.schedule](self.stages, micro_batches, self.checkpoint,
+                                                                    self.virtual_stages))  # keeps ZB-V's V
+        if micro_batches != self.micro_batches:
+            raise ValueError(f"the schedule was written for M={self.micro_batches} micro-batches, but this "
+                             f"mini-batch makes {micro_batches}: pass at least {self.micro_batches} samples")
+        schedules.check(self.schedule, micro_batches, self.checkpoint)
+        return self.schedule
 
     # --- one call: decided by the first stage, planned here, run by the runner -------------------
 

@@ -19,9 +19,19 @@ weights, deferred).
 - zb-h1: 1F1B with each backward split into B and W, the first W's of stage k deferred to fill
   the drain (Qi et al., 2023, "Zero Bubble Pipeline Parallelism", schedule ZB-H1): at most K
   micro-batches in flight on any stage, 1F1B's bound, and about a third of its bubble.
+- zb-v: two chunks per stage placed in a V (stage k holds chunks k and 2K-1-k), W split off
+  (Qi et al., 2024, "Pipeline Parallelism with Controllable Memory"): 1F1B's memory bound, and in
+  the unit-cost model almost no bubble once M >= 2K.
+
+A `Schedule` is the task lists with a placement of chunks on stages (loop by default: chunk c on
+stage c % K). `parse` and `format` read and write it as text a person can write, `from_torch` and
+`to_torch` as torch.distributed.pipelining's actions; `check` explains the first thing wrong with
+one, or reports its unit-cost makespan, bubble and the most micro-batches a stage holds.
 """
 from __future__ import annotations
 
+import re
+from itertools import accumulate
 from typing import Callable, NamedTuple, Optional
 
 CHECKPOINT_MODES = ("always", "except_last", "never")
@@ -60,6 +70,34 @@ def owner(chunk: int, stages: int) -> int:
     return chunk % stages
 
 
+def loop(stages: int, chunks: int) -> tuple[int, ...]:
+    """Loop placement: chunk c on stage c % K (Megatron's interleaved schedule)."""
+    return tuple(owner(c, stages) for c in range(chunks))
+
+
+def v_shape(stages: int, chunks: int) -> tuple[int, ...]:
+    """V placement (ZB-V, DualPipe-V): chunks go down the stages and back up, so stage k holds
+    chunks k and 2K-1-k, and the last chunk sits with the first, on stage 0."""
+    return tuple(c % stages if (c // stages) % 2 == 0 else stages - 1 - c % stages for c in range(chunks))
+
+
+class Schedule(list):
+    """One task list per stage (a list, as every runner reads it) and `placement`, the stage of each
+    chunk (loop placement unless given)."""
+
+    def __init__(self, tasks, placement: Optional[tuple] = None):
+        super().__init__(list(stage) for stage in tasks)
+        chunks = 1 + max((t.chunk for stage in self for t in stage), default=0)
+        placement = getattr(tasks, "placement", None) if placement is None else placement
+        self.placement = tuple(loop(len(self), -(-chunks // max(len(self), 1)) * len(self))
+                               if placement is None else placement)
+
+    def label(self, task: Task) -> str:
+        """A task's name: "F3", or "F3@5" where its stage holds several chunks."""
+        several = 0 <= task.chunk < len(self.placement) and self.placement.count(self.placement[task.chunk]) > 1
+        return f"{task}@{task.chunk}" if several else str(task)
+
+
 def upstream(task: Task, chunks: int) -> Optional[Task]:
     """The task of another chunk that must finish before `task` can start, if any.
 
@@ -78,21 +116,20 @@ def check_layout(name: str, stages: int, micro_batches: Optional[int], virtual: 
                  layers: Optional[int] = None) -> None:
     """The one check of how chunks are laid out, for the pipe, the schedules and the lab: several
     chunks per stage (v) only with "interleaved", which needs v >= 2 and M a multiple of K
-    (Megatron-LM's rule); K*v chunks need at least as many layers."""
+    (Megatron-LM's rule), or "zb-v", v = 2; K*v chunks need at least as many layers."""
     if isinstance(virtual, bool) or not isinstance(virtual, int) or virtual < 1:
         raise ValueError(f"virtual_stages={virtual!r}: expected an int >= 1 (chunks of layers per stage)")
     if micro_batches is not None and (stages < 1 or micro_batches < 1):
         raise ValueError(f"need stages >= 1 and micro_batches >= 1, got {stages} and {micro_batches}")
-    if name != "interleaved":
-        if virtual != 1:
-            raise ValueError(f"virtual_stages={virtual}: only schedule='interleaved' places several chunks on a stage")
-        return
-    if virtual < 2:
-        raise ValueError(f"virtual_stages={virtual}: schedule='interleaved' needs at least 2 chunks per stage")
-    if micro_batches is not None and micro_batches % stages:
+    rule = {"interleaved": (virtual >= 2, "needs at least 2 chunks per stage"), "written": (True, ""),
+            "zb-v": (virtual == 2, "places exactly 2 chunks on a stage")}
+    if not rule.get(name, (virtual == 1,))[0]:
+        raise ValueError(f"virtual_stages={virtual}: " + (f"schedule={name!r} {rule[name][1]}" if name in rule else
+                         "only schedule='interleaved' places several chunks on a stage (or 'zb-v', two)"))
+    if name == "interleaved" and micro_batches is not None and micro_batches % stages:
         raise ValueError(f"schedule='interleaved' needs M (micro-batches, chunks=) to be a multiple of K={stages}, "
                          f"as Megatron-LM requires; got M={micro_batches}: use M={stages * -(-micro_batches // stages)}")
-    if layers is not None and stages * virtual > layers:
+    if virtual > 1 and layers is not None and stages * virtual > layers:
         raise ValueError(f"{stages} stages x virtual_stages={virtual} = {stages * virtual} chunks but the model has "
                          f"only {layers} layers; expected at most one chunk per layer")
 
@@ -188,21 +225,63 @@ def zb_h1(stages: int, micro_batches: int, checkpoint: str = "except_last", virt
     return plans
 
 
+def zb_v(stages: int, micro_batches: int, checkpoint: str = "except_last", virtual: int = 2) -> Schedule:
+    """ZB-V: chunks in a V (stage k holds chunks k and 2K-1-k), each backward split into B and W.
+    Built as the paper builds its schedules, by laying tasks onto a unit-cost clock (F = B = W = 1):
+    a free stage runs a ready B (the critical path; its recompute first), else a ready F, the later
+    chunk first, unless the stage already holds K micro-batches (2K chunk halves; the first chunk
+    leaves one of them to the second), else its oldest pending W, else it waits."""
+    check_layout("zb-v", stages, micro_batches, virtual)
+    count, limit, plans = 2 * stages, 2 * stages, Schedule([[] for _ in range(stages)], v_shape(stages, 2 * stages))
+    done: dict[Task, int] = {}
+    free, held, weights = [0] * stages, [0] * stages, [[] for _ in range(stages)]
+    forwards, backwards = [0] * count, [0] * count  # the next micro-batch to forward, backward per chunk
+    clock, total = 0, count * micro_batches
+
+    def ready(task: Task) -> bool:
+        needed = upstream(task, count)
+        return done.get(task._replace(op="F"), clock + 1) <= clock if task.op == "B" and needed is None \
+            else needed is None or done.get(needed, clock + 1) <= clock
+
+    while sum(backwards) < total or any(weights):
+        for k in (k for k in range(stages) if free[k] <= clock):
+            high, low = count - 1 - k, k  # the stage's chunks, the later one first
+            b = [Task("B", backwards[c], c) for c in (high, low) if backwards[c] < forwards[c]]
+            f = [Task("F", forwards[c], c) for c in (high, low) if forwards[c] < micro_batches and
+                 held[k] < limit - (c == low and low != high)]
+            for task in [t for t in b if ready(t)][:1] or [t for t in f if ready(t)][:1] or weights[k][:1]:
+                work = _backward(task.micro, micro_batches, checkpoint, task.chunk) if task.op == "B" else [task]
+                plans[k] += work
+                free[k] = done[task] = clock + len(work)
+                if task.op == "F":
+                    forwards[task.chunk] += 1
+                    held[k] += 1
+                elif task.op == "B":
+                    backwards[task.chunk] += 1
+                    weights[k].append(Task("W", task.micro, task.chunk))
+                else:
+                    held[k] -= 1
+                    weights[k].pop(0)
+        clock += 1
+    return plans
+
+
 SCHEDULES: dict[str, Callable[..., list[list[Task]]]] = {
     "gpipe": gpipe, "1f1b": one_f_one_b, "interleaved": interleaved, "zb-h1": zb_h1}
+NAMED: dict[str, Callable[..., list[list[Task]]]] = {**SCHEDULES, "zb-v": zb_v}  # the four the lab compares, and ZB-V
 
 
 def check_schedule(name: str) -> str:
     """Return `name` if it is a known schedule, else raise a ValueError naming the choices."""
-    if name not in SCHEDULES:
-        raise ValueError(f"schedule={name!r} is not a schedule; expected one of {tuple(SCHEDULES)}")
+    if name not in NAMED:
+        raise ValueError(f"schedule={name!r} is not a schedule; expected one of {tuple(NAMED)}")
     return name
 
 
-def forward_only(stages: int, micro_batches: int, virtual: int = 1) -> list[list[Task]]:
+def forward_only(placement: tuple, micro_batches: int) -> Schedule:
     """Per-stage task lists of an inference pass: forwards only, in (micro-batch, chunk) order."""
-    return [[Task("F", m, c) for m in range(micro_batches) for c in range(k, stages * virtual, stages)]
-            for k in range(stages)]
+    return Schedule([[Task("F", m, c) for m in range(micro_batches) for c, at in enumerate(placement) if at == k]
+                     for k in range(1 + max(placement))], placement)
 
 
 def timeline(schedule: list[list[Task]], duration) -> list[list[tuple[float, float]]]:
@@ -210,31 +289,162 @@ def timeline(schedule: list[list[Task]], duration) -> list[list[tuple[float, flo
     its stage is free and its upstream task is done. `duration(stage, task)` gives each task's time.
 
     With unit costs this is the textbook diagram; with measured costs it replays a real run as if
-    every stage had a device of its own. Raises ValueError if the order can deadlock.
+    every stage had a device of its own. Raises ValueError if the order can deadlock, naming the
+    cycle of waits.
     """
-    stages = len(schedule)
-    chunks = 1 + max((task.chunk for tasks in schedule for task in tasks), default=0)
+    schedule = schedule if isinstance(schedule, Schedule) else Schedule(schedule)
+    stages, chunks = len(schedule), len(schedule.placement)
     times: list[list[tuple[float, float]]] = [[] for _ in range(stages)]
     position = {task: i for tasks in schedule for i, task in enumerate(tasks)}
     cursor = [0] * stages
     while any(cursor[k] < len(schedule[k]) for k in range(stages)):
-        progressed = False
+        progressed, waits = False, {}
         for k in range(stages):
             while cursor[k] < len(schedule[k]):
                 task = schedule[k][cursor[k]]
                 ready = times[k][-1][1] if times[k] else 0.0
                 needed = upstream(task, chunks)
                 if needed is not None:
-                    other = owner(needed.chunk, stages)
                     if needed not in position:
-                        raise ValueError(f"the schedule never runs {needed}, which {task} on stage {k} needs")
-                    index = position[needed]
-                    if index >= len(times[other]):
+                        raise ValueError(f"the schedule never runs {schedule.label(needed)}, which "
+                                         f"{schedule.label(task)} on stage {k} needs")
+                    other = schedule.placement[needed.chunk]
+                    if position[needed] >= len(times[other]):
+                        waits[k] = (needed, other)
                         break  # its input is not produced yet; try the other stages first
-                    ready = max(ready, times[other][index][1])
+                    ready = max(ready, times[other][position[needed]][1])
                 times[k].append((ready, ready + duration(k, task)))
                 cursor[k] += 1
                 progressed = True
         if not progressed:
-            raise ValueError("the schedule deadlocks: some task waits for one that can never run")
+            raise ValueError(f"the schedule deadlocks: {_cycle(schedule, waits)}")
     return times
+
+
+def _cycle(schedule: Schedule, waits: dict) -> str:
+    """The cycle of waits among stuck stages: "stage 0 waits for B3 from stage 1, which waits for F4
+    from stage 0"."""
+    path, k = [], min(waits)
+    while k not in path:
+        path.append(k)
+        k = waits[k][1]
+    cycle = path[path.index(k):] + [k]
+    return "stage %d " % k + ", which ".join(f"waits for {schedule.label(waits[a][0])} from "
+                                             f"{'itself' if a == b else f'stage {b}'}" for a, b in zip(cycle, cycle[1:]))
+
+
+class Report(NamedTuple):
+    """What `check` predicts of a legal schedule in the unit-cost model (per chunk of a stage of v:
+    F = 1/v, B = 2/v, or B = W = 1/v when W is split off, R = 1/v)."""
+
+    makespan: float
+    bubble: float       # the stages' idle fraction
+    held: float         # the most micro-batches a stage holds (forward done, backward or W not yet)
+
+
+def check(schedule: list[list[Task]], micro_batches: int, checkpoint: str = "except_last") -> Report:
+    """Check that `schedule` runs micro-batches 0..M-1 under `checkpoint`, and report its unit-cost
+    makespan, bubble and memory; raise a ValueError that names the first problem in words."""
+    schedule = schedule if isinstance(schedule, Schedule) else Schedule(schedule)
+    place, stages, mode = schedule.placement, len(schedule), check_checkpoint_mode(checkpoint)
+    if stages < 1 or micro_batches < 1:
+        raise ValueError(f"need at least one stage and one micro-batch, got {stages} and M={micro_batches}")
+    for k in sorted(set(range(stages)) ^ set(place)):
+        raise ValueError(f"the placement {place} puts a chunk on stage {k}, but there are stages 0..{stages - 1}"
+                         if k in place else f"the placement {place} puts no chunk on stage {k}")
+    split, where = any(t.op == "W" for tasks in schedule for t in tasks), {}
+    for k, tasks in enumerate(schedule):
+        for i, task in enumerate(tasks):
+            name = f"stage {k} runs {schedule.label(task)}"
+            if task.op not in ("F", "R", "B", "W") or not 0 <= task.micro < micro_batches:
+                raise ValueError(f"{name}: expected F, R, B or W, micro-batch 0..{micro_batches - 1} (M={micro_batches})")
+            if not 0 <= task.chunk < len(place) or place[task.chunk] != k:
+                raise ValueError(f"{name}, but the placement {place} does not put chunk {task.chunk} on stage {k}")
+            if task in where:
+                raise ValueError(f"{name} twice")
+            if task.op == "R" and not checkpointed(task.micro, micro_batches, mode):
+                raise ValueError(f"{name}, a recompute of micro-batch {task.micro}, which kept its activations "
+                                 f"under checkpoint={mode!r}")
+            where[task] = i
+    for c, k in enumerate(place):
+        for m in range(micro_batches):
+            steps = [Task(op, m, c) for op in "FRBW" if (op != "R" or checkpointed(m, micro_batches, mode))
+                     and (op != "W" or split)]
+            for task in steps:
+                if task not in where:
+                    why = {"R": f": checkpoint={mode!r} keeps only its input, so its backward needs the recompute "
+                                f"first", "W": ": once W is split off, every B leaves its weight gradient to a W"}
+                    raise ValueError(f"stage {k} never runs {schedule.label(task)}{why.get(task.op, '')}")
+            for before, after in zip(steps, steps[1:]):
+                if where[after] < where[before]:
+                    raise ValueError(f"stage {k} runs {schedule.label(after)} before {schedule.label(before)}")
+    share, costs = stages / len(place), {"F": 1.0, "R": 1.0, "B": 1.0 if split else 2.0, "W": 1.0}
+    times = timeline(schedule, lambda k, task: costs[task.op] * share)
+    makespan = max(end for stage in times for _, end in stage)
+    busy = sum(end - start for stage in times for start, end in stage)
+    held = [n for tasks in schedule for n in accumulate((t.op == "F") - (t.op == "WB"[not split]) for t in tasks)]
+    return Report(makespan, 1 - busy / (stages * makespan), max(held) * share)
+
+
+def parse(text: str) -> Schedule:
+    """A schedule from text, one line of tasks per stage ("stage 0: F0 F1 B0 F2 B1 B2", the label
+    optional): op and micro-batch, then "@chunk" where a stage holds several chunks ("F3@5"), and an
+    optional line "placement: loop", "placement: V" or the stage of each chunk ("placement: 0 1 1 0");
+    without one, chunk c is on the stage that names it. "#" starts a comment. It reads
+    torch.distributed.pipelining's actions too, comma-separated ("1F0": chunk 1, forward, micro-batch
+    0; "I" is a B with W split off), one rank per line."""
+    placement, rows, found = None, [], {}
+    for line in filter(None, (line.split("#")[0].strip() for line in text.splitlines())):
+        head, _, rest = line.rpartition(":")
+        if head.strip().lower() == "placement":
+            placement = rest.split()
+            continue
+        if head and not re.fullmatch(rf"stage\s*{len(rows)}", head.strip(), re.I):
+            raise ValueError(f"{head.strip()!r}: expected 'stage {len(rows)}:' (stages in order) or 'placement:'")
+        row = []
+        for word in rest.replace(",", " ").split():
+            match = re.fullmatch(r"([FRBW])(\d+)(?:@(\d+))?|(\d+)([FIBW])(\d+)", word)
+            if match is None:
+                raise ValueError(f"{word!r} is not a task: expected F, R, B or W, a micro-batch and, where a stage "
+                                 f"holds several chunks, @chunk (F3, B0@5), or a torch action (1F0)")
+            op, micro, chunk = match.group(1, 2, 3) if match[1] else (match[5].replace("I", "B"), match[6], match[4])
+            row.append((op, int(micro), None if chunk is None else int(chunk)))
+            if chunk is not None:
+                found.setdefault(int(chunk), len(rows))
+        rows.append(row)
+    if not rows:
+        raise ValueError("no stages: expected one line of tasks per stage, such as 'stage 0: F0 F1 B0 B1'")
+    count = -(-max(max(found, default=0) + 1, len(rows)) // len(rows)) * len(rows)
+    if placement is None:
+        place = tuple(found.get(c, c % len(rows)) for c in range(count))
+    elif placement in (["loop"], ["V"]):
+        place = (loop if placement == ["loop"] else v_shape)(len(rows), count)
+    elif all(p.isdigit() for p in placement):
+        place = tuple(map(int, placement))
+    else:
+        raise ValueError(f"placement: {' '.join(placement)}: expected 'loop', 'V' or one stage number per chunk")
+    mine = [[c for c, at in enumerate(place) if at == k] for k in range(len(rows))]
+    for k, row in enumerate(rows):
+        for op, micro, chunk in row:
+            if chunk is None and len(mine[k]) != 1:
+                raise ValueError(f"{op}{micro} on stage {k} names no chunk, but the stage holds chunks {mine[k]}: "
+                                 f"write {op}{micro}@{(mine[k] or [k])[0]}")
+    return Schedule([[Task(op, m, mine[k][0] if c is None else c) for op, m, c in row]
+                     for k, row in enumerate(rows)], place)
+
+
+def format(schedule: list[list[Task]], torch: bool = False) -> str:
+    """The text `parse` reads: a placement line where a stage holds several chunks, then the stages;
+    or, `torch=True`, torch.distributed.pipelining's actions, one rank per row, which have no
+    recompute (a schedule with R's raises: checkpoint inside the stage's module there)."""
+    schedule = schedule if isinstance(schedule, Schedule) else Schedule(schedule)
+    place, stages, split = schedule.placement, len(schedule), any(t.op == "W" for s in schedule for t in s)
+    if torch:
+        for k, task in ((k, t) for k, tasks in enumerate(schedule) for t in tasks if t.op == "R"):
+            raise ValueError(f"stage {k} runs {schedule.label(task)}, a recompute: torch.distributed.pipelining "
+                             f"has no recompute action, so export a schedule made with checkpoint='never'")
+        return "\n".join(",".join(f"{t.chunk}{'I' if split and t.op == 'B' else t.op}{t.micro}" for t in tasks)
+                         for tasks in schedule)
+    named = {v_shape(stages, len(place)): "V", loop(stages, len(place)): "loop"}.get(place, " ".join(map(str, place)))
+    head = [f"placement: {named}"] if len(place) > stages or named != "loop" else []
+    return "\n".join(head + [f"stage {k}: " + " ".join(map(schedule.label, tasks)) for k, tasks in enumerate(schedule)])

@@ -1,8 +1,8 @@
 """Schedules as pure task lists: orders, counts, dependencies and no deadlock, for every schedule."""
 import pytest
 
-from engine.schedule import (SCHEDULES, Task, checkpointed, forward_only, gpipe, interleaved, one_f_one_b, owner,
-                             timeline, upstream, zb_h1)
+from engine.schedule import (SCHEDULES, Task, checkpointed, forward_only, gpipe, interleaved, loop, one_f_one_b,
+                             owner, timeline, upstream, v_shape, zb_h1)
 
 
 def ops(tasks):
@@ -30,9 +30,11 @@ def test_checkpoint_modes():
 
 
 def test_forward_only():
-    assert [ops(t) for t in forward_only(2, 2)] == ["F0 F1", "F0 F1"]
-    assert [[(t.micro, t.chunk) for t in tasks] for tasks in forward_only(2, 2, virtual=2)] == \
+    assert [ops(t) for t in forward_only(loop(2, 2), 2)] == ["F0 F1", "F0 F1"]
+    assert [[(t.micro, t.chunk) for t in tasks] for tasks in forward_only(loop(2, 4), 2)] == \
         [[(0, 0), (0, 2), (1, 0), (1, 2)], [(0, 1), (0, 3), (1, 1), (1, 3)]]
+    assert [[(t.micro, t.chunk) for t in tasks] for tasks in forward_only(v_shape(2, 4), 1)] == [[(0, 0), (0, 3)],
+                                                                                              [(0, 1), (0, 2)]]
 
 
 def test_upstream_dependencies_cross_chunks():

@@ -99,8 +99,8 @@ class ProcessPool:
         self._require_built()
         name_of(loss_fn)
         live = on_event is not None
-        commands = [("step", (inputs if rank == 0 else None, targets if rank == self.stages - 1 else None, loss_fn,
-                              live)) for rank in range(self.stages)]
+        commands = [("step", (inputs if rank == 0 else None, targets, loss_fn, live))  # targets: where the last
+                    for rank in range(self.stages)]                                  # chunk is (rank 0 in a V)
         answers = self._ask(commands, on_note=_live_events(on_event) if live else None)
         self.trace = answers[0][1]
         self.losses = [answer[0] for answer in answers]  # as each rank returned it: all equal
@@ -112,7 +112,7 @@ class ProcessPool:
         self._require_built()
         answers = self._ask([("forward", (inputs if rank == 0 else None,)) for rank in range(self.stages)])
         self.trace = answers[0][1]
-        return answers[-1][0]
+        return next((answer[0] for answer in answers if answer[0] is not None), None)  # the last chunk's rank
 
     def parameters(self) -> list[torch.Tensor]:
         """Copies of the model's parameters, in the model's order."""

@@ -40,17 +40,19 @@ def rank_and_device(group, stages: int, devices, module) -> tuple[int, torch.dev
 class RankRunner:
     """Runs this rank's stage (its chunk, or chunks) for each call and exchanges what a call ends with."""
 
-    def __init__(self, local: LocalStages, group, stages: int, wraps: bool, data_parallel=None):
+    def __init__(self, local: LocalStages, group, stages: int, placement: tuple, data_parallel=None):
         self.local = local
         self.ranks: Ranks = check_group(group, stages)
         rank = self.ranks.rank
         self.calls = 0
         self.origin = 0.0  # the current call's time origin, a perf_counter reading on rank 0's clock
         self.prefix = f"rank {rank}, "
+        wraps = any(a == stages - 1 and b == 0 for a, b in zip(placement, placement[1:]))  # loop placement, v > 1
+        self.relays = placement[-1] != stages - 1  # the loss is not on the last rank (a V): "done" brings it
         self.transport = ProcessTransport(
             self.ranks, group, next(iter(local.devices.values())).device,
             upstream=(rank - 1) % stages if rank > 0 or wraps else None,
-            downstream=(rank + 1) % stages if rank < stages - 1 or wraps else None, wraps=wraps)
+            downstream=(rank + 1) % stages if rank < stages - 1 or wraps else None, wraps=wraps, placement=placement)
         try:
             self.replicas = None if data_parallel is None else Replicas(data_parallel, rank, self.transport.shared)
         except ValueError:
@@ -94,7 +96,7 @@ class RankRunner:
         pending = self.replicas.start(self.local.parameters(), shard) if reducing else None  # overlaps the drain
         result = self.local.conclude(call)
         total = shard
-        if reducing and self.ranks.is_last:
+        if reducing and self.local.runs_last:
             result, total = self.replicas.global_loss(result, shard, self.transport.check_failures)
         if reducing:
             self.replicas.finish(pending, self.transport.check_failures)
@@ -127,22 +129,29 @@ class RankRunner:
         """"end" upstream with the loss, the global batch's size and the trace pieces, then "done" back."""
         ranks, transport = self.ranks, self.transport
         pieces, later = [piece], b""
-        if not ranks.is_last:
-            loss, total, later, after = self._read_end(transport.receive_control("end"))
+        if not ranks.is_last:  # the loss comes up from the last chunk's rank (ZB-V's V puts it on rank 0)
+            theirs, their_total, later, after = self._read_end(transport.receive_control("end"), ranks.rank + 1)
+            loss, total = (theirs, their_total) if loss is None else (loss, total)
             pieces += after
         if not ranks.is_first:  # the later stages' pieces travel on as they came
             blob = torch.frombuffer(bytearray(encode_pieces([piece]) + later), dtype=torch.uint8)
             transport.send_control(ranks.rank - 1, "end", (None if loss is None else loss.cpu(),
                                                            torch.tensor([total]), blob))
-            transport.receive_control("done")
+            done = transport.receive_control("done")
+            loss, total = self._read_end(done, ranks.rank - 1)[:2] if self.relays else (loss, total)
         if not ranks.is_last:
-            transport.send_control(ranks.rank + 1, "done")
+            transport.send_control(ranks.rank + 1, "done", (None if loss is None else loss.cpu(), torch.tensor([total]),
+                                                            torch.zeros(0, dtype=torch.uint8)) if self.relays else None)
+            if self.relays:  # a second "end": the next rank read what "done" carried, so this one may close its lane
+                transport.receive_control("end", micro=1)
+        if self.relays and not ranks.is_first:
+            transport.send_control(ranks.rank - 1, "end", micro=1)
         return loss, total, pieces
 
-    def _read_end(self, value) -> tuple[Optional[torch.Tensor], int, bytes, list]:
-        """The next stage's "end": loss (None in a forward), global batch size, trace pieces decoded and
-        as they came; Malformed, naming the sender, if it is anything else."""
-        peer = self.ranks.rank + 1
+    def _read_end(self, value, peer: int) -> tuple[Optional[torch.Tensor], int, bytes, list]:
+        """The next stage's "end" (or the previous one's "done"): loss (None in a forward), global batch
+        size, trace pieces decoded and as they came; Malformed, naming the sender, if it is anything else."""
+        kind = "end" if peer > self.ranks.rank else "done"
         try:
             if not isinstance(value, tuple) or len(value) != 3 or value[1] is None or value[2] is None:
                 raise Malformed(f"expected (loss, batch size, trace), got {_shape_of(value)}")
@@ -154,9 +163,9 @@ class RankRunner:
             if blob.dtype != torch.uint8 or blob.dim() != 1:
                 raise Malformed(f"the trace is a {blob.dtype} tensor of shape {tuple(blob.shape)}")
             data = blob.numpy().tobytes()
-            return loss, int(size.item()), data, decode_pieces(data, self.ranks.size - peer)
+            return loss, int(size.item()), data, decode_pieces(data, self.ranks.size - peer if kind == "end" else 0)
         except Malformed as error:
-            raise Malformed(f"the 'end' message from stage {peer} is malformed: {error}") from None
+            raise Malformed(f"the {kind!r} message from stage {peer} is malformed: {error}") from None
 
     def _trace(self, pieces: list, call: Call, wall: float) -> Trace:
         """One trace of the stages this rank heard from (all of them on rank 0), on its time base."""

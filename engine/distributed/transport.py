@@ -29,7 +29,6 @@ from .works import until_completed
 from .wire import Lost
 from ..call import Decision
 from ..microbatch import Value
-from ..schedule import owner
 from ..transport import StageFailed
 
 POLL_SECONDS = 0.05                            # how often a waiting rank looks for failures elsewhere
@@ -152,8 +151,8 @@ class ProcessTransport:
     """This rank's connections to its neighbouring stages (see the module docstring)."""
 
     def __init__(self, ranks: Ranks, group, device: torch.device, upstream: Optional[int], downstream: Optional[int],
-                 wraps: bool = False):
-        self.ranks, self.device, self.upstream = ranks, device, upstream
+                 wraps: bool = False, placement: tuple = ()):
+        self.ranks, self.device, self.upstream, self.placement = ranks, device, upstream, placement
         members = dist.get_process_group_ranks(group)
         world = World.gather(members, device, group)
         self.shared = world.store  # failures are told world-wide: replicas of a stage stop together
@@ -211,7 +210,7 @@ class ProcessTransport:
         for work in works or []:  # a completed work may have failed: wait() would not say so on the host
             if work.exception() is not None:
                 kind, _, chunk = key  # an activation comes from the chunk before, a gradient from the one after
-                sender = owner(chunk - 1 if kind == "act" else chunk + 1, self.ranks.size)
+                sender = self.placement[chunk - 1 if kind == "act" else chunk + 1]
                 self._failure = self._lost(sender, work.exception())
                 raise self._failure
         return value, works
@@ -219,7 +218,7 @@ class ProcessTransport:
     def send(self, source: int, destination: int, key, value: Value) -> None:
         """Send `value` under `key` to the rank that holds chunk `destination` (filed here if it is this one)."""
         kind, micro, chunk = key
-        rank = owner(destination, self.ranks.size)
+        rank = self.placement[destination]
         if rank == self.ranks.rank:
             self._arrived[(self.step, kind, micro, chunk)] = (value, None)
             return

@@ -1,0 +1,200 @@
+"""Schedules a person writes: text and torch.distributed.pipelining's actions in and out, checks
+that name the first problem (a deadlock as its cycle of waits), the unit-cost report, ZB-V, and
+written schedules run exactly on threads and on stage processes."""
+import time
+
+import pytest
+import torch
+from torch import nn
+
+from conftest import grads, mlp
+from engine import GPipe
+from engine.schedule import (NAMED, Schedule, Task, check, format, interleaved, one_f_one_b, parse, v_shape, zb_h1,
+                             zb_v)
+from lab.exactness import unpipelined_gradients
+
+LOSS = nn.CrossEntropyLoss()
+MODES = ("never", "except_last", "always")
+
+
+def named(name, stages, micro, checkpoint):
+    return Schedule(NAMED[name](stages, micro, checkpoint, 2 if name in ("interleaved", "zb-v") else 1))
+
+
+@pytest.mark.parametrize("name", list(NAMED))
+def test_every_named_schedule_round_trips_through_text_and_torchs_actions(name):
+    for stages in (1, 2, 3, 4):
+        for micro in (1, 2, 4, 8):
+            if name == "interleaved" and micro % stages:
+                continue
+            for checkpoint in MODES:
+                schedule = named(name, stages, micro, checkpoint)
+                back = parse(format(schedule))
+                assert back == schedule and back.placement == schedule.placement, format(schedule)
+                check(back, micro, checkpoint)
+            schedule = named(name, stages, micro, "never")
+            back = parse(format(schedule, torch=True))
+            assert back == schedule and back.placement == schedule.placement, format(schedule, torch=True)
+
+
+def test_the_text_format_by_example():
+    written = parse("""# 1F1B, K=2, M=3
+                       stage 0: F0 F1 B0 F2 B1 B2
+                       F0 B0 F1 B1 F2 B2   # the label is optional""")
+    assert written == one_f_one_b(2, 3, "never") and written.placement == (0, 1)
+    assert format(written) == "stage 0: F0 F1 B0 F2 B1 B2\nstage 1: F0 B0 F1 B1 F2 B2"
+    v = zb_v(2, 1, "never")
+    assert format(v) == "placement: V\nstage 0: F0@0 F0@3 B0@3 W0@3 B0@0 W0@0\nstage 1: F0@1 F0@2 B0@2 B0@1 W0@2 W0@1"
+    assert format(v, torch=True) == "0F0,3F0,3I0,3W0,0I0,0W0\n1F0,2F0,2I0,2I0,2W0,1W0".replace("2I0,2I0", "2I0,1I0")
+    assert parse("placement: 0 1 1 0\n" + format(v).split("\n", 1)[1]).placement == v_shape(2, 4)
+    assert format(interleaved(2, 2, "never")).startswith("placement: loop\nstage 0: F0@0 F1@0 F0@2")
+
+
+def test_torchs_actions_read_with_the_placement_where_each_chunk_runs():
+    written = parse("0F0,,0F1,1F0,1I0,1W0\n")  # empty cells are idle steps
+    assert written.placement == (0, 0) and written[0] == [Task("F", 0, 0), Task("F", 1, 0), Task("F", 0, 1),
+                                                          Task("B", 0, 1), Task("W", 0, 1)]
+    with pytest.raises(ValueError, match="has no recompute action, so export a schedule made with checkpoint='never'"):
+        format(one_f_one_b(2, 2, "always"), torch=True)
+
+
+BAD = [  # (text, M, checkpoint, the message)
+    ("F0 B0\nF0 B0 B0", 1, "never", "stage 1 runs B0 twice"),
+    ("F0 B0\nF0", 1, "never", "stage 1 never runs B0"),
+    ("B0 F0\nF0 B0", 1, "never", "stage 0 runs B0 before F0"),
+    ("F0 R0 B0\nF0 B0", 1, "never", "stage 0 runs R0, a recompute of micro-batch 0, which kept its activations under "
+                                    "checkpoint='never'"),
+    ("F0 B0 F1 R1 B1\nF0 B0 F1 R1 B1", 2, "except_last", "stage 0 runs R1, a recompute of micro-batch 1, which kept"),
+    ("F0 B0\nF0 B0", 1, "always", "stage 0 never runs R0: checkpoint='always' keeps only its input, so its backward "
+                                  "needs the recompute first"),
+    ("F0 B0 R0\nF0 R0 B0", 1, "always", "stage 0 runs B0 before R0"),
+    ("F0 B0 W0\nF0 B0", 1, "never", "stage 1 never runs W0: once W is split off, every B leaves its weight gradient"),
+    ("F0 W0 B0\nF0 B0 W0", 1, "never", "stage 0 runs W0 before B0"),
+    ("F0 F1 B0 B1\nF0 B0", 1, "never", r"stage 0 runs F1: expected F, R, B or W, micro-batch 0..0 \(M=1\)"),
+    ("placement: 0 0\nF0@0 B0@0\nF0@1 B0@1", 1, "never", r"the placement \(0, 0\) puts no chunk on stage 1"),
+    ("placement: 0 1 2\nF0@0 B0@0\nF0@1 B0@1", 1, "never", r"the placement \(0, 1, 2\) puts a chunk on stage 2, but "
+                                                            r"there are stages 0..1"),
+    ("placement: 0 1 1 0\nF0@0 B0@0 F0@1\nF0@2 B0@2", 1, "never", r"stage 0 runs F0@1, but the placement \(0, 1, 1, "
+                                                                  r"0\) does not put chunk 1 on stage 0"),
+    ("stage 0: F0 B0 F1 B1\nstage 1: F0 F1 B1 B0", 2, "never",
+     "the schedule deadlocks: stage 0 waits for B0 from stage 1, which waits for F1 from stage 0"),
+    ("F0 F1 B0 B1\nF0 B0 F1 B1\nF0 F1 B0 B1", 2, "never",  # stage 0 waits too, but outside the cycle
+     "the schedule deadlocks: stage 1 waits for B0 from stage 2, which waits for F1 from stage 1$"),
+    ("placement: V\nF0@0 F0@3 B0@3 B0@0\nF0@2 F0@1 B0@2 B0@1", 1, "never",
+     "the schedule deadlocks: stage 1 waits for F0@1 from itself"),
+]
+
+
+@pytest.mark.parametrize("text,micro,checkpoint,message", BAD)
+def test_every_check_names_the_first_problem(text, micro, checkpoint, message):
+    with pytest.raises(ValueError, match=message):
+        check(parse(text), micro, checkpoint)
+
+
+@pytest.mark.parametrize("text,message", [
+    ("stage 1: F0 B0", "'stage 1': expected 'stage 0:' \\(stages in order\\) or 'placement:'"),
+    ("F0 X1", "'X1' is not a task: expected F, R, B or W"),
+    ("placement: zigzag\nF0 B0", "placement: zigzag: expected 'loop', 'V' or one stage number per chunk"),
+    ("placement: V\nF0 B0\nF0 B0 F0@2", r"F0 on stage 0 names no chunk, but the stage holds chunks \[0, 3\]: write F0@0"),
+    ("# nothing", "no stages: expected one line of tasks per stage"),
+])
+def test_text_that_is_not_a_schedule_is_refused_with_what_was_expected(text, message):
+    with pytest.raises(ValueError, match=message):
+        parse(text)
+
+
+def test_the_unit_cost_report():
+    report = check(one_f_one_b(4, 8, "never"), 8, "never")  # F=1, B=2: 3(M+K-1) units, bubble (K-1)/(M+K-1)
+    assert report.makespan == 33 and report.bubble == pytest.approx(3 / 11) and report.held == 4
+    assert check(zb_h1(4, 8, "never"), 8, "never") == (27, pytest.approx(3 / 27), 4)  # (K-1)/(3M+K-1)
+    assert check(interleaved(4, 8, "never", 2), 8, "never").makespan == 28.5  # the fill passes half-chunks
+    gpipe = check(named("gpipe", 4, 8, "never"), 8, "never")
+    assert gpipe.makespan == 33 and gpipe.held == 8
+
+
+def test_zb_v_is_legal_v_placed_within_1f1bs_memory_and_beats_zb_h1():
+    for stages in range(1, 7):
+        for micro in range(1, 13):
+            for checkpoint in MODES:
+                schedule = zb_v(stages, micro, checkpoint)
+                assert schedule.placement == v_shape(stages, 2 * stages)
+                assert check(schedule, micro, checkpoint).held <= stages
+            ours, h1 = check(zb_v(stages, micro, "never"), micro, "never"), check(zb_h1(stages, micro, "never"), micro,
+                                                                                   "never")
+            assert ours.bubble <= h1.bubble + 1e-12, (stages, micro)
+    assert v_shape(4, 8) == (0, 1, 2, 3, 3, 2, 1, 0)
+    assert check(zb_v(4, 8, "never"), 8, "never") == (25.5, pytest.approx(1.5 / 25.5), 4)
+
+
+def float64_step(stages, schedule, checkpoint="never", chunks=4, **options):
+    torch.manual_seed(1)
+    x, y = torch.randn(24, 16, dtype=torch.float64), torch.randint(0, 3, (24,))
+    model = mlp(dtype=torch.float64)
+    pipe = GPipe(model, stages, chunks=chunks, threads_per_stage=1, schedule=schedule, checkpoint=checkpoint, **options)
+    loss = pipe.step(x, y, LOSS)
+    pipe.close()
+    return grads(model), loss, pipe.trace
+
+
+def reference():
+    torch.manual_seed(1)
+    x, y = torch.randn(24, 16, dtype=torch.float64), torch.randint(0, 3, (24,))
+    return unpipelined_gradients(mlp(dtype=torch.float64), x, y, LOSS)
+
+
+def test_zb_v_and_written_schedules_give_the_unpipelined_gradients_bitwise_across_k():
+    whole = reference()
+    for checkpoint in ("never", "always"):
+        runs = {}
+        for stages in (1, 2, 3, 4):
+            zbv, _, trace = float64_step(stages, "zb-v", checkpoint, virtual_stages=2)
+            assert {(e.stage, e.chunk) for e in trace.events} == {(s, c) for c, s in enumerate(v_shape(stages, 2 * stages))}
+            written = parse(format(one_f_one_b(stages, 4, checkpoint)))
+            runs[stages] = zbv, float64_step(stages, written, checkpoint)[0]
+        for got in runs.values():
+            for ours, first in zip(got, runs[1]):
+                assert all(torch.equal(a, b) for a, b in zip(ours, first))
+            assert max((a - b).abs().max().item() for a, b in zip(got[0], whole)) < 1e-10
+
+
+def test_a_pipe_refuses_a_written_schedule_that_cannot_run():
+    deadlock = parse("stage 0: F0 B0 F1 B1\nstage 1: F0 F1 B1 B0")
+    with pytest.raises(ValueError, match="stage 0 waits for B0 from stage 1, which waits for F1 from stage 0"):
+        GPipe(mlp(), 2, chunks=2, checkpoint="never", schedule=deadlock)
+    with pytest.raises(ValueError, match="the schedule has 2 stages but balance makes 3"):
+        GPipe(mlp(), 3, chunks=2, checkpoint="never", schedule=parse(format(one_f_one_b(2, 2, "never"))))
+    with pytest.raises(ValueError, match="stage 0 never runs F2"):
+        GPipe(mlp(), 2, chunks=3, checkpoint="never", schedule=parse(format(one_f_one_b(2, 2, "never"))))
+    with pytest.raises(ValueError, match="unequal numbers of chunks"):
+        GPipe(mlp(), 2, chunks=1, schedule=Schedule([[Task("F", 0, 0)], [Task("F", 0, 1)]], (0, 1, 1)))
+    pipe = GPipe(mlp(), 2, chunks=4, checkpoint="never", schedule=parse(format(one_f_one_b(2, 4, "never"))))
+    with pytest.raises(ValueError, match="written for M=4 micro-batches, but this mini-batch makes 3"):
+        pipe.step(torch.randn(3, 16), torch.randint(0, 3, (3,)), LOSS)
+
+
+@pytest.mark.timeout(240)
+def test_written_schedules_on_stage_processes_equal_threads_bitwise():
+    from engine.distributed.pool import ProcessPool
+    torch.manual_seed(1)
+    x, y = torch.randn(24, 16, dtype=torch.float64), torch.randint(0, 3, (24,))
+    for stages in (2, 3):
+        pool = ProcessPool(stages)
+        try:
+            for schedule, checkpoint in (("zb-v", "always"), (parse(format(zb_h1(stages, 4, "never"))), "never")):
+                options = dict(balance=stages, chunks=4, schedule=schedule, checkpoint=checkpoint,
+                               virtual_stages=2 if schedule == "zb-v" else 1)
+                pool.build("conftest:mlp", dict(dtype=torch.float64), **options)
+                loss = pool.step(x, y, nn.functional.cross_entropy)
+                model = mlp(dtype=torch.float64)
+                pipe = GPipe(model, threads_per_stage=1, **options)
+                assert torch.equal(loss, pipe.step(x, y, LOSS)), (stages, schedule)
+                assert all(torch.equal(a, b) for a, b in zip(pool.gradients(), grads(model))), (stages, schedule)
+                assert all(torch.equal(l, loss) for l in pool.losses), "every rank returns the loss"
+                assert torch.equal(pool.forward(x), pipe(x))
+            deadlock = parse("\n".join(["F0 B0 F1 B1"] + ["F0 F1 B1 B0"] * (stages - 1)))
+            start = time.monotonic()
+            with pytest.raises(ValueError, match="the schedule deadlocks: stage 0 waits for B0 from stage 1"):
+                pool.build("conftest:mlp", {}, balance=stages, chunks=2, checkpoint="never", schedule=deadlock)
+            assert time.monotonic() - start < 5, "every rank refuses it before it runs"
+        finally:
+            pool.close()
