@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterator, Optional
 
-from engine.schedule import Task, upstream
+from engine.schedule import Task, timeline, upstream
 from engine.trace import Event, Trace
 
 from . import replay
@@ -54,32 +54,40 @@ class Breakdown:
     tasks, so T = its task time + its waiting + its own gaps. A task's times: d, as measured;
     a = min(d, its time in the serial run, alone); and a_mean, the mean alone time of the same op on
     the same micro-batch over all stages (what every stage would take if the stages were equal).
-    Whatever stretch ell of a task is counted below, it is split in proportion ell/d:
+    From its start, a task's d is read as min(a, a_mean), then a - min(a, a_mean), then d - a; a
+    stretch of it that is counted (all of c's tasks; the part of another stage's task that c was
+    waiting through, its end) counts what it covers of those three:
 
-    - compute       = sum over c's F, B, W tasks of min(a, a_mean): its own work at an average
+    - compute       = over c's F, B, W tasks, sum of min(a, a_mean): its own work at an average
                       stage's one-task-alone speed;
-    - recompute     = sum of a over the R tasks counted (c's, and those c waited for);
-    - contention    = sum of d - a over the tasks counted: how much slower they ran beside the
-                      other stages than alone (cores, caches, memory bandwidth, the interpreter lock);
-    - schedule bubble = sum of min(a, a_mean) over the tasks of other stages that c waited for:
-                      the fill and drain the schedule itself makes, at this step's task times (on
-                      equal stages, the idle of the unit-cost diagram laid out with those times,
-                      replay.unit_cost(..., costs=...): the tests check it);
-    - unequal stages = sum of a - min(a, a_mean) over the tasks counted: what tasks slower than
-                      the average stage's added (c's own excess, and that of the tasks it waited for);
-    - messages      = the hand-overs c waited for (from the end of the task that fed a task to that
-                      task's start, where that set its start), plus the time a stage's thread spent
-                      sending and reading messages inside the gaps counted below;
+    - recompute     = over the R tasks counted (c's, and those c waited through), a;
+    - contention    = over the tasks counted, d - a: how much slower they ran beside the other
+                      stages than alone (cores, caches, memory bandwidth, the interpreter lock, and
+                      whatever else loads the host);
+    - schedule bubble = over the F, B, W tasks of other stages that c waited through, min(a, a_mean),
+                      but at most U, the idle of c when every stage runs its tasks in this step's
+                      order, each taking a_mean (the stages made equal: the unit-cost diagram of the
+                      step's schedule with its task times; schedule_idle): the fill and drain the
+                      schedule itself makes;
+    - unequal stages = over the tasks counted, a - min(a, a_mean) (what tasks slower alone than the
+                      average stage's added: c's own excess, and that of the tasks it waited through),
+                      plus what c waited through at a_mean beyond U: the stages did not keep one pace
+                      (unequal work per op, or one stage sending while the other reads);
+    - messages      = the hand-overs c waited through (from the end of the task that fed a task to
+                      that task's start, where that feeder set its start), plus the time a stage's
+                      thread spent sending and reading messages inside the gaps counted below;
     - gaps          = the rest of the stretches between consecutive tasks of one stage, and before
-                      the first: dispatch, hooks, bookkeeping.
+                      its first: dispatch, hooks, bookkeeping.
 
     What c waited for is found on the chain that released it: walk back from the task whose output
     c waited for, each time to whichever of its releasers ended later (the previous task of its
     stage, or the task whose output it needed); that chain covers [0, its end] with no hole, so
     each instant of c's wait falls in exactly one of its pieces (a task, a hand-over, a gap). After
     c's last task, the wait is the critical path's (`path`: that chain from the step's last task).
-    With one stage nothing is waited for and the step runs one task at a time: its own times are
-    the alone times, so contention, schedule bubble and unequal stages are 0.
+    A wait that ends with a slowed task of another stage is that task's slowdown first: had it run
+    at its alone speed, that much of the wait would not have been. With one stage nothing is
+    waited for and the step runs one task at a time: its own times are the alone times, so
+    contention, schedule bubble and unequal stages are 0.
 
     `slowdown` is sum(d) / sum(alone) - 1 over all the step's tasks: how much longer the step's
     tasks took than the same tasks alone (0 when the tasks were not also timed alone)."""
@@ -159,19 +167,17 @@ class _Ledger:
         self.critical, self.alone, self.mean, self.messages = critical, alone, mean, messages
         self.parts = dict.fromkeys(PARTS, 0.0)
 
-    def task(self, event: Event, length: float) -> None:
-        if length <= 0:
-            return
+    def task(self, event: Event, low: float, high: float) -> None:
+        """Count the stretch [low, high] of a task: from its start, its time at an average stage's
+        alone speed, then its excess alone, then its slowdown beside the other stages."""
         d = event.duration
-        share = length / d
         a = min(self.alone.get(_key(event), d), d)
-        self.parts["contention"] += share * (d - a)
-        if event.op == "R":
-            self.parts["recompute"] += share * a
-            return
-        base = min(a, self.mean.get((event.op, event.micro), a))
-        self.parts["compute" if event.stage == self.critical else "schedule bubble"] += share * base
-        self.parts["unequal stages"] += share * (a - base)
+        base = a if event.op == "R" else min(a, self.mean.get((event.op, event.micro), a))
+        first = "recompute" if event.op == "R" else "compute" if event.stage == self.critical else "schedule bubble"
+        edge = event.start
+        for name, length in ((first, base), ("unequal stages", a - base), ("contention", d - a)):
+            self.parts[name] += max(0.0, min(high, edge + length) - max(low, edge))
+            edge += length
 
     def gap(self, stage: int, start: float, end: float) -> None:
         """A stretch between tasks of `stage`: its messages' time in it, and the rest."""
@@ -188,7 +194,7 @@ class _Ledger:
             low, high = max(piece.start, start), min(piece.end, end)
             if high > low:
                 if piece.kind == "task":
-                    self.task(piece.event, high - low)
+                    self.task(piece.event, low, high)
                 elif piece.kind == "hand-over":
                     self.parts["messages"] += high - low
                 elif piece.kind == "gap":
@@ -197,6 +203,18 @@ class _Ledger:
                     self.parts["gaps"] += high - low
             if piece.start <= start:
                 return
+
+
+def schedule_idle(events: list[Event], stage: int, mean: dict) -> float:
+    """How long `stage` idles when every stage runs its tasks in the order they ran in this step, each
+    task taking `mean[(op, micro)]` (the stages made equal): the unit-cost diagram of the step's own
+    schedule, with the step's task times (engine.schedule.timeline, as lab.replay lays out replays)."""
+    stages = 1 + max(e.stage for e in events)
+    order = [[Task(e.op, e.micro, e.chunk) for e in sorted((e for e in events if e.stage == k),
+                                                           key=lambda e: (e.start, e.end))] for k in range(stages)]
+    times = timeline(order, lambda k, task: mean[(task.op, task.micro)])
+    makespan = max((end for line in times for _, end in line), default=0.0)
+    return makespan - sum(end - start for start, end in times[stage])
 
 
 def _key(event: Event) -> tuple:
@@ -247,11 +265,14 @@ def of_trace(trace: Trace, alone: Optional[list[dict]] = None, label: str = "") 
             ledger.parts["messages"] += start - until
         else:
             ledger.gap(critical, cursor, start)
-        ledger.task(e, e.end - start)
+        ledger.task(e, start, e.end)
         cursor = max(cursor, e.end)
     path = critical_path(trace)
     makespan = trace.makespan
     ledger.waited(iter(path[::-1]), cursor, makespan)
+    waited = ledger.parts["schedule bubble"]
+    ledger.parts["schedule bubble"] = min(waited, schedule_idle(events, critical, mean))
+    ledger.parts["unequal stages"] += waited - ledger.parts["schedule bubble"]
     measured = sum(e.duration for e in events)
     alone_total = sum(times[_key(e)] for e in events)
     return Breakdown(label, makespan, ledger.parts, critical, tuple(path),

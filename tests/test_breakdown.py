@@ -73,6 +73,19 @@ def test_each_part_of_a_hand_made_step():
         ("gap", 1, 3.5, 3.6), ("task", 1, 3.6, 5.6), ("hand-over", 0, 5.6, 6.0), ("task", 0, 6.0, 8.0)]
 
 
+def test_waiting_beyond_the_schedules_own_idle_is_unequal_stages():
+    """Equal tasks (F 1, B 2, alone as measured) but stage 0 pauses 1 between its forwards: stage 1
+    waits 1 + 1 for forwards and 2 for the last backward, 4 in all at alone speed, where the
+    schedule with equal stages idles it 3 ((K-1)(F+B)): the 1 beyond is the stages' unequal pace."""
+    ran = [(0, "F", 0, 0, 1), (0, "F", 1, 2, 3), (1, "F", 0, 1, 2), (1, "F", 1, 3, 4), (1, "B", 1, 4, 6),
+           (1, "B", 0, 6, 8), (0, "B", 1, 6, 8), (0, "B", 0, 8, 10)]
+    trace = Trace(stages=2, micro_batches=2, events=[Event(k, m, op, a, b, "cpu", k) for k, op, m, a, b in ran])
+    parts = breakdown.of_trace(trace, [{"stage": k, "op": op, "micro": m, "start": a, "end": b} for k, op, m, a, b in ran])
+    assert parts.critical_stage == 1
+    assert parts.parts == pytest.approx({"compute": 6.0, "recompute": 0.0, "contention": 0.0, "schedule bubble": 3.0,
+                                         "unequal stages": 1.0, "messages": 0.0, "gaps": 0.0})
+
+
 def test_a_stages_own_message_time_between_its_tasks_counts_as_messages_not_gaps():
     sending = Message(1, 0, "send", "act", 0, 64, 3.5, 3.56)
     parts = breakdown.of_trace(two_stage_step([sending]), ALONE)
