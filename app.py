@@ -11,7 +11,7 @@ from typing import Optional
 
 import streamlit as st
 
-from lab import breakdown, charts, replay, theory  # these and lab.config load without torch: see open_page
+from lab import breakdown, charts, replay, schedule_writer, theory  # like lab.config, no torch: see open_page
 from lab.config import (APP_DEFAULT, BALANCES, MEASURE_WARMUP, MODEL_CARDS, PAGE_BATCHES, PAGE_BLOCKS, PAGE_MICRO,
                         PAGE_PINS, PAGE_SEED, PAGE_STAGES, PAGE_VIRTUAL, PAGE_WIDTHS, SCHEDULE_ORDER, RunConfig, check,
                         check_page, measure_rounds, micro_batch_count, visible_gpus)
@@ -403,6 +403,45 @@ def show_downloads(record: RunRecord) -> None:
     right.download_button("events as CSV", record.events_csv(), file_name="gpipe-events.csv", mime="text/csv")
 
 
+def show_writer(record: RunRecord, config: RunConfig) -> None:
+    st.subheader("9 · Write your own schedule")
+    st.markdown(
+        "One line of tasks per stage, each stage running its line in order: **F3** forward of micro-batch 3, "
+        "**R3** its recompute, **B3** its backward, **W3** its weights' gradient when W is split off; with "
+        "several chunks of layers per stage, **F3@5** names chunk 5, and a line `placement: V` (or `loop`, or "
+        "one stage per chunk) says where the chunks are. torch.distributed.pipelining's actions (`1F0,1I0`) "
+        "read too. Every edit is checked by the engine; **run it** runs a step of it beside GPipe's.")
+    micro = micro_batch_count(config)
+    left, right = st.columns([1, 3])
+    name = left.selectbox("start from", schedule_writer.PRESETS, key="writer_preset")
+    wanted = (name, config.stages, micro, config.checkpoint)
+    if st.session_state.get("writer_for") != wanted:  # a new preset or setting: its text replaces the box's
+        st.session_state["writer_for"] = wanted
+        try:
+            st.session_state["writer_text"] = schedule_writer.preset(name, config.stages, micro, config.checkpoint)
+        except ValueError as error:
+            left.warning(f"{name} at these settings: {error}")
+    text = right.text_area(f"the schedule (K = {config.stages}, M = {micro}, checkpoint '{config.checkpoint}')",
+                           key="writer_text", height=40 + 28 * config.stages)
+    verdict = schedule_writer.examine(text, micro, config.checkpoint)
+    (st.success if verdict.legal else st.error)(verdict.line)
+    if not verdict.legal:
+        return
+    predicted = [schedule_writer.unit_cost(verdict.schedule),
+                 schedule_writer.replayed(verdict.schedule, record.solo_events or record.events, config.virtual_stages)]
+    st.plotly_chart(charts.stacked_gantt(predicted, [f"{line.label}: bubble {line.bubble:.0%}" for line in predicted]),
+                    key="writer_predicted")
+    if len(verdict.schedule) != config.stages or not st.button("run it", key="writer_run"):
+        return
+    runs = schedule_writer.run_beside_gpipe(config, verdict.schedule)
+    st.plotly_chart(charts.stacked_gantt([r.timeline for r in runs],
+                                         [f"{r.timeline.label}: bubble {r.timeline.bubble:.0%}" for r in runs]),
+                    key="writer_measured")
+    st.dataframe([{"schedule": r.label, "makespan (ms)": round(r.timeline.makespan * 1e3, 1),
+                   "activation peak per stage (KiB)": ", ".join(f"{p / 1024:.0f}" for p in r.peaks),
+                   "gradients": schedule_writer.exactness_line(r)} for r in runs], hide_index=True)
+
+
 def open_page() -> tuple[Optional[RunConfig], object]:
     """The title, the controls and, for a setting this server has not measured yet, the theory
     diagram in the chart's place. None of it needs torch, which takes seconds to load on a cold
@@ -444,6 +483,7 @@ def main(config: Optional[RunConfig], chart) -> None:
         show_schedules(config)
         show_compare(record, config)
         show_downloads(record)
+        show_writer(record, config)
     except StageProcessError as error:
         st.error(f"A stage process stopped: {error}. The next run starts new stage processes.")
     except (RuntimeError, MemoryError) as error:

@@ -21,7 +21,7 @@ weights, deferred).
   micro-batches in flight on any stage, 1F1B's bound, and about a third of its bubble.
 - zb-v: two chunks per stage placed in a V (stage k holds chunks k and 2K-1-k), W split off
   (Qi et al., 2024, "Pipeline Parallelism with Controllable Memory"): 1F1B's memory bound, and in
-  the unit-cost model almost no bubble once M >= 2K.
+  the unit-cost model less bubble than ZB-H1 (K=4, M=8: 5.9% against 11.1%).
 
 A `Schedule` is the task lists with a placement of chunks on stages (loop by default: chunk c on
 stage c % K). `parse` and `format` read and write it as text a person can write, `from_torch` and

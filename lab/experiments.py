@@ -234,18 +234,20 @@ def run(config: RunConfig, on_event: Optional[Callable] = None, replay: Union[bo
 
 @contextmanager
 def stepper_for(config: RunConfig, balance: list[int], model: Optional[nn.Sequential] = None,
-                on_wait: Optional[Callable] = None, optimizer: Optional[tuple[str, dict]] = None) -> Iterator[Stepper]:
+                on_wait: Optional[Callable] = None, optimizer: Optional[tuple[str, dict]] = None,
+                schedule=None) -> Iterator[Stepper]:
     """The configuration's pipe as a lab.stepper.Stepper, cut by `balance`: its stages as threads of
     this process (on `model` if given, the configuration's model built here) or, with
     `transport="processes"`, on the shared stage processes (held meanwhile; `on_wait` is called if
-    another run holds them)."""
+    another run holds them). `schedule`, a written engine.schedule.Schedule, replaces the named one."""
     recipe = dict(name=config.model, blocks=config.blocks, width=config.width, seed=config.seed)
+    options = {**pipe_options(config), **({} if schedule is None else {"schedule": schedule})}
     if config.transport == "processes":
         with processes.pool_for(config.stages, config.threads_per_stage, on_wait, config.device) as pool:
-            yield Stepper(RECIPE, recipe, balance, pool=pool, optimizer=optimizer, **pipe_options(config))
+            yield Stepper(RECIPE, recipe, balance, pool=pool, optimizer=optimizer, **options)
         return
     with Stepper(RECIPE, recipe, balance, optimizer=optimizer, model=model, devices=devices_for(config),
-                 **pipe_options(config)) as threads:
+                 **options) as threads:
         yield threads
 
 

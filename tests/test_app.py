@@ -299,3 +299,26 @@ def test_a_bad_round_count_in_the_environment_is_an_error_on_the_page(app, monke
     app.run()
     assert not app.exception
     assert "GPIPE_LAB_ROUNDS='lots'" in app.error[0].value
+
+
+def test_a_written_schedule_is_checked_predicted_and_run_beside_gpipe(app):
+    app.run()
+    small(app, stages=2, micro=4, blocks=8, recompute="off")
+    assert app.text_area(key="writer_text").value == "stage 0: F0 F1 F2 F3 B3 B2 B1 B0\nstage 1: F0 F1 F2 F3 B3 B2 B1 B0"
+    assert "✓ legal: makespan 15 units, bubble 20%, at most 4 micro-batches held on a stage" in \
+        [s.value for s in app.success]
+    app.text_area(key="writer_text").input("stage 0: F0 B0 F1 B1 F2 B2 F3 B3\nstage 1: F0 F1 B1 B0 F2 B2 F3 B3").run()
+    assert "✗ the schedule deadlocks: stage 0 waits for B0 from stage 1, which waits for F1 from stage 0" in \
+        [e.value for e in app.error]
+    app.selectbox(key="writer_preset").set_value("zb-v").run()
+    assert app.text_area(key="writer_text").value.startswith("placement: V\nstage 0: F0@0 F1@0")
+    spec = json.loads(next(c for c in app.get("plotly_chart") if "writer_predicted" in c.proto.id).proto.spec)
+    assert [a["text"] for a in spec["layout"]["annotations"]][0] == "theory (unit costs), written: bubble 4%"
+    app.button(key="writer_run").click().run()
+    assert not app.exception
+    table = app.dataframe[-1].value
+    assert list(table["schedule"]) == ["written", "GPipe"]
+    for line in table["gradients"]:  # the zoo's mlp has no dropout: both against the unpipelined step
+        assert "from the unpipelined step" in line and float(line.rsplit(" ", 1)[1]) < 1e-5, line
+    spec = json.loads(next(c for c in app.get("plotly_chart") if "writer_measured" in c.proto.id).proto.spec)
+    assert {t["name"] for t in spec["data"]} >= {"forward", "backward", "weight gradient"}

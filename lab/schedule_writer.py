@@ -1,0 +1,153 @@
+"""Writing a pipeline schedule by hand: a preset to start from, the engine's verdict on every edit in
+one line, the unit-cost diagram and the ideal replay on this host's task times, and a real step
+beside GPipe's with the gradients compared.
+
+The format is engine.schedule's (`parse` / `format`): one line of tasks per stage, "@chunk" where a
+stage holds several chunks, an optional "placement:" line. This module draws on it; only
+`run_beside_gpipe` needs torch (it loads it when called), so the page can check and draw at once.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from engine import schedule as schedules
+from engine.schedule import Report, Schedule
+from engine.trace import Event, Trace
+
+from .config import RunConfig, micro_batch_count
+from .replay import Timeline
+
+PRESETS = ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-v")
+TWO_CHUNKS = ("interleaved", "zb-v")  # the presets with two chunks of layers per stage
+
+
+def preset(name: str, stages: int, micro_batches: int, checkpoint: str) -> str:
+    """The text of a named schedule at K, M and checkpoint mode, to start editing from (interleaved
+    and ZB-V with two chunks per stage); a ValueError, as the engine words it, where it cannot be
+    built (interleaved needs M a multiple of K)."""
+    if name not in PRESETS:
+        raise ValueError(f"preset {name!r}: expected one of {PRESETS}")
+    virtual = 2 if name in TWO_CHUNKS else 1
+    return schedules.format(Schedule(schedules.NAMED[name](stages, micro_batches, checkpoint, virtual)))
+
+
+def describe(report: Report) -> str:
+    """A report in words: "makespan 33 units, bubble 27%, at most 4 micro-batches held on a stage"."""
+    return (f"makespan {report.makespan:g} units, bubble {report.bubble:.0%}, at most {report.held:g} "
+            f"micro-batch{'' if report.held == 1 else 'es'} held on a stage")
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """What the engine says of a written text: the schedule and its report if it can run, and one line."""
+
+    schedule: Optional[Schedule]
+    report: Optional[Report]
+    line: str
+
+    @property
+    def legal(self) -> bool:
+        return self.report is not None
+
+
+def examine(text: str, micro_batches: int, checkpoint: str) -> Verdict:
+    """Parse and check `text` for M micro-batches: "✓ legal: <report>" or "✗ <the first problem>"."""
+    try:
+        schedule = schedules.parse(text)
+        report = schedules.check(schedule, micro_batches, checkpoint)
+    except ValueError as error:
+        return Verdict(None, None, f"✗ {error}")
+    return Verdict(schedule, report, f"✓ legal: {describe(report)}")
+
+
+def laid_out(schedule: Schedule, duration, label: str, unit: str) -> Timeline:
+    """The schedule's tasks laid onto its dependencies (engine.schedule.timeline), as a Timeline."""
+    times = schedules.timeline(schedule, duration)
+    events = [Event(k, task.micro, task.op, start, end, "", task.chunk)
+              for k, tasks in enumerate(schedule) for task, (start, end) in zip(tasks, times[k])]
+    return Timeline(label, Trace(stages=len(schedule), events=sorted(events, key=lambda e: (e.start, e.stage))), unit)
+
+
+def unit_cost(schedule: Schedule) -> Timeline:
+    """The textbook diagram of a written schedule, with the costs `check` predicts with (a stage's
+    F 1, B 2, or B 1 and W 1 with W split off, R 1; a chunk of a stage of v does 1/v of it)."""
+    split = any(t.op == "W" for tasks in schedule for t in tasks)
+    costs = {"F": 1.0, "R": 1.0, "B": 1.0 if split else 2.0, "W": 1.0}
+    share = len(schedule) / len(schedule.placement)
+    return laid_out(schedule, lambda k, task: costs[task.op] * share, "theory (unit costs), written", "time units")
+
+
+def mean_task_seconds(events: list[dict], virtual: int) -> dict[str, float]:
+    """Each op's mean measured seconds for a whole stage's share of layers (a chunk's time times the
+    `virtual` chunks per stage it was measured with); with W measured apart, B's includes it."""
+    totals: dict[str, list[float]] = {}
+    for e in events:
+        totals.setdefault(e["op"], []).append((e["end"] - e["start"]) * virtual)
+    mean = {op: sum(times) / len(times) for op, times in totals.items()}
+    if "W" in mean:
+        mean["B"] += mean.pop("W")
+    return mean
+
+
+def replayed(schedule: Schedule, events: list[dict], virtual: int) -> Timeline:
+    """An ideal replay of the written schedule on this host's measured task times: each op's mean
+    (`mean_task_seconds`), divided among the schedule's chunks; with W split off, B and W take half
+    of the measured backward each (how the engine's split falls on a given model varies)."""
+    mean = mean_task_seconds(events, virtual)
+    split = any(t.op == "W" for tasks in schedule for t in tasks)
+    costs = {"F": mean["F"], "R": mean.get("R", mean["F"]), "B": mean["B"] / (2 if split else 1), "W": mean["B"] / 2}
+    share = len(schedule) / len(schedule.placement)
+    return laid_out(schedule, lambda k, task: costs[task.op] * share, "ideal replay of this host's mean task times",
+                    "s")
+
+
+@dataclass(frozen=True)
+class Ran:
+    """One real step of a schedule: its measured timeline, each stage's activation peak and how far
+    its gradients are from the reference (`reference` says which)."""
+
+    label: str
+    timeline: Timeline
+    peaks: list[int]
+    difference: float
+    reference: str
+
+
+def run_beside_gpipe(config: RunConfig, schedule: Schedule) -> list[Ran]:
+    """A step of `schedule` on the configuration's model, its stages as the configuration says
+    (threads or processes), after one to warm up, then the same for GPipe at the same K and M; the
+    gradients of each (every step starts from zero, no optimizer steps) against the
+    unpipelined step on the whole mini-batch (against GPipe's, for a model with dropout, whose masks
+    the pipeline draws per micro-batch)."""
+    from .exactness import _has_dropout, unpipelined_gradients  # torch loads here, not with the page
+    from .experiments import build, choose_balance, stepper_for
+    from .replay import measured
+
+    micro = micro_batch_count(config)
+    schedules.check(schedule, micro, config.checkpoint)
+    if len(schedule) != config.stages:
+        raise ValueError(f"the schedule has {len(schedule)} stages but the setting has K={config.stages}")
+    virtual = len(schedule.placement) // len(schedule)
+    runs = []
+    for label, setting, written in (("written", config.but(virtual_stages=virtual), schedule),
+                                    ("GPipe", config.but(schedule="gpipe", virtual_stages=1), None)):
+        model, (inputs, targets), loss_fn = build(setting)
+        with stepper_for(setting, choose_balance(setting, model, inputs), model, schedule=written) as stepper:
+            stepper.step(inputs, targets, loss_fn)  # a warm-up: the first step pays for allocations
+            _, trace, _ = stepper.step(inputs, targets, loss_fn)
+            gradients = stepper.gradients()
+        runs.append((label, trace, gradients))
+    model, (inputs, targets), loss_fn = build(config)
+    dropout = _has_dropout(model)
+    reference = runs[1][2] if dropout else unpipelined_gradients(model, inputs, targets, loss_fn)
+    return [Ran(label, measured(trace.to_records(), trace.stages, f"measured, {label}"),
+                [m.activation_peak_bytes for m in trace.memory],
+                max(float((a.cpu() - b.cpu()).abs().max()) for a, b in zip(gradients, reference)),
+                "GPipe's gradients" if dropout else "the unpipelined step")
+            for label, trace, gradients in runs]
+
+
+def exactness_line(ran: Ran) -> str:
+    """One run's gradients in words: "written: largest gradient difference from the unpipelined step 3e-08"."""
+    return f"{ran.label}: largest gradient difference from {ran.reference} {ran.difference:.1e}"
