@@ -327,3 +327,32 @@ def test_where_the_time_went_is_drawn_beside_the_metrics_and_adds_up(server):
         assert set(fall["measure"][:-1]) == {"relative"} and min(fall["y"]) >= 0, fall
     assert falls[2]["measure"][0] == "absolute" and falls[2]["y"][0] == pytest.approx(falls[1]["y"][-1] / 2, rel=1e-3)
     assert not problems_in(log_path), "\n".join(problems_in(log_path)[:20])
+
+
+WRITER_RAN = ("() => [...document.querySelectorAll('.js-plotly-plot')].some(p => p.layout && "
+              "(p.layout.annotations || []).some(a => a.text.startsWith('measured, written')))")
+
+
+@pytest.mark.timeout(300)
+def test_a_written_schedule_is_checked_as_it_is_typed_and_runs_beside_gpipe(server):
+    """Section 9 as a learner uses it: a schedule typed into the box is refused with its first
+    problem named; the ZB-V preset is legal, and "run it" draws its measured Gantt beside GPipe's."""
+    server, log_path = server
+    with chromium() as browser:
+        page = browser.new_page(viewport={"width": 1400, "height": 1000})
+        page.goto(server)
+        page.wait_for_function(FINAL_GANTT_READY, timeout=120_000, polling=500)
+        wait_until_idle(page)
+        box = page.locator("[data-testid='stTextArea'] textarea")
+        box.fill("stage 0: F0 B0\nstage 1: F0 B0")
+        box.press("Control+Enter")
+        page.get_by_text("✗ stage 0 never runs R0").wait_for(timeout=60_000)  # defaults: M=16, except_last
+        page.locator("[data-testid='stSelectbox']").filter(has_text="start from").click()
+        page.get_by_role("option", name="zb-v").click()
+        page.get_by_text("✓ legal: makespan").wait_for(timeout=60_000)
+        assert box.input_value().startswith("placement: V\nstage 0: F0@0")
+        page.get_by_role("button", name="run it").click()
+        page.wait_for_function(WRITER_RAN, timeout=120_000, polling=500)
+        wait_until_idle(page)
+        assert page.locator("[data-testid='stException']").count() == 0
+    assert not problems_in(log_path), "\n".join(problems_in(log_path)[:20])
