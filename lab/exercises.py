@@ -56,6 +56,13 @@ SAYS = {
     "forgets the bubble": "K forgets the bubble: each device is busy only M/(M+K-1) of the time",
     "one device's share": "that is one device's busy share; K devices work in parallel, so multiply by K",
     "bubble times K": "that multiplies the bubble, the idle share, by K; the speedup counts the busy share",
+    # the bubble in milliseconds
+    "fill only": "that counts the fill only: in the drain the stage waits K-1 backward slots as well",
+    "share, not time": "that is the bubble's share of the step; expected milliseconds: the K-1 forward and K-1 "
+                       "backward slots the stage waits",
+    "own work": "that is the stage's own work, M forwards and M backwards; the bubble is the time it waits besides",
+    "whole step": "that is the whole step, work and wait; the bubble is only the K-1 forward and K-1 backward slots "
+                  "of waiting",
     # fill-drain order
     "schedule shape": "expected a list of K lists of task names such as \"F0\" and \"B3\", one list per stage",
     "flat list": "that is one flat list of tasks; expected one list per stage (K lists), each with that stage's tasks",
@@ -363,6 +370,15 @@ BOUNDARY_BYTES = Formula(
     (("forward only", lambda n, b: n * b), ("per sample", lambda n, b: 2 * b), ("bits", lambda n, b: 16 * n * b)),
     hint="activations forward and gradients back, N samples each way", symmetric=True)
 
+BUBBLE_MS = Formula(
+    ("K", "M", "f", "b"), ((2, 8, 1.0, 2.0), (4, 8, 1.5, 3.0), (4, 32, 1.5, 3.0), (8, 32, 0.25, 0.5), (1, 4, 2.0, 4.0),
+                          (3, 2, 2.0, 1.5)),
+    lambda k, m, f, b: (k - 1) * (f + b),
+    (("fill only", lambda k, m, f, b: (k - 1) * f), ("share, not time", lambda k, m, f, b: (k - 1) / (m + k - 1)),
+     ("own work", lambda k, m, f, b: m * (f + b)), ("whole step", lambda k, m, f, b: (m + k - 1) * (f + b)),
+     ("off by one slot", lambda k, m, f, b: k * (f + b))),
+    hint="the fill holds the last stage back K-1 forward slots, the drain the first stage K-1 backward slots")
+
 
 check_training_bytes = TRAINING_BYTES.as_check(
     "check_training_bytes", "fn(parameters): bytes a float32 model with Adam keeps besides activations.",
@@ -379,6 +395,10 @@ check_ideal_speedup = IDEAL_SPEEDUP.as_check(
 check_in_flight = IN_FLIGHT.as_check(
     "check_in_flight", "fn(K, k): micro-batches stage k holds at most under 1F1B (M >= K).",
     "✓ K-k: the first stage holds K micro-batches, the last one only one (GPipe holds all M)")
+check_bubble_ms = BUBBLE_MS.as_check(
+    "check_bubble_ms", "fn(K, M, f, b): ms a stage of a GPipe step waits, equal stages taking f ms per forward and "
+                       "b ms per backward, no recompute.",
+    "✓ (K-1)·(f+b): K-1 forward slots of fill and K-1 backward slots of drain, whatever M is")
 check_boundary_bytes = BOUNDARY_BYTES.as_check(
     "check_boundary_bytes", "fn(N, bytes_per_sample): bytes crossing one cut between stages in one training step.",
     "✓ 2·N·(bytes per sample): activations forward, gradients back, whatever M is")

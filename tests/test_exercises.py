@@ -85,6 +85,7 @@ REFERENCES = {   # check: the lab's answer
     exercises.check_ideal_speedup: speedup,
     exercises.check_in_flight: lambda k, s: k - s,
     exercises.check_boundary_bytes: lambda n, b: 2 * n * b,
+    exercises.check_bubble_ms: lambda k, m, f, b: (k - 1) * (f + b),
     exercises.check_fill_drain: fill_drain,
     exercises.check_checkpointed_stage: lambda block, x: checkpoint(block, x, use_reentrant=False),
     exercises.check_accumulation: accumulate_right,
@@ -127,6 +128,13 @@ MUTANTS = [
     (exercises.check_boundary_bytes, lambda n, b: 2 * b, "per sample"),
     (exercises.check_boundary_bytes, lambda n, b: 16 * n * b, "bits"),
     (exercises.check_boundary_bytes, lambda n, b: 1024, "constant"),
+    (exercises.check_bubble_ms, lambda k, m, f, b: (k - 1) * f, "fill only"),
+    (exercises.check_bubble_ms, lambda k, m, f, b: (k - 1) / (m + k - 1), "share, not time"),
+    (exercises.check_bubble_ms, lambda k, m, f, b: m * (f + b), "own work"),
+    (exercises.check_bubble_ms, lambda k, m, f, b: (m + k - 1) * (f + b), "whole step"),
+    (exercises.check_bubble_ms, lambda k, m, f, b: k * (f + b), "off by one slot"),
+    (exercises.check_bubble_ms, lambda k, m, f, b: (k - 1) * (f + b) // 1, "integer division"),
+    (exercises.check_bubble_ms, lambda k, m, f, b: 3.0, "constant"),
     (exercises.check_fill_drain, lambda k, m: fill_drain(k, m)[0], "flat list"),
     (exercises.check_fill_drain, lambda k, m: fill_drain(m, k), "K and M swapped"),
     (exercises.check_fill_drain, lambda k, m: [[f"F{i + 1}" for i in range(m)] + [f"B{i + 1}" for i in reversed(range(m))]
@@ -185,7 +193,8 @@ MUTANTS = [
     (exercises.check_best_cut, lambda costs, k: [str(n) for n in solve(costs, k)], "cut shape"),
 ]
 FORMULA_CHECKS = (exercises.check_training_bytes, exercises.check_naive_bubble, exercises.check_bubble,
-                  exercises.check_ideal_speedup, exercises.check_in_flight, exercises.check_boundary_bytes)
+                  exercises.check_ideal_speedup, exercises.check_in_flight, exercises.check_boundary_bytes,
+                  exercises.check_bubble_ms)
 # Every check, whatever its reference: raising; and for formulas, a number as text.
 MUTANTS += [(check, raising, "raised") for check in REFERENCES]
 MUTANTS += [(check, lambda *a, _right=REFERENCES[check]: str(_right(*a)), "not a number") for check in FORMULA_CHECKS]
