@@ -27,6 +27,7 @@ from torch import nn
 from engine import GPipe
 from engine.balance import solve
 from engine.memory import ActivationLedger
+from engine import schedule as schedules
 from engine.schedule import gpipe
 
 from . import theory
@@ -160,6 +161,25 @@ SAYS = {
     # a layout
     "layout shape": "MY_LAYOUT must be a pair of whole numbers (D, K)",
     "layout swapped": "you swapped them: MY_LAYOUT is (D, K), replicas first, then stages",
+    # a written schedule (notebook 12)
+    "schedule text": "expected the schedule as text, one line of tasks per stage, as in \"stage 0: F0 F1 B0 ...\"",
+    "engine refuses": "that is the engine's own check, which names the first problem: fix it, run the cell again",
+    "stage count": "expected one line of tasks per stage: K lines",
+    "split in 1F1B": "that splits backwards into B and W; 1F1B runs each backward whole (W comes in the last "
+                     "exercise)",
+    "holds too many": "it holds more micro-batches on a stage than 1F1B (at most K): start a stage's backwards once "
+                      "its fill of K-1-k forwards is done, then alternate one forward and one backward",
+    "slower than 1F1B": "it holds few enough but takes longer than 1F1B: somewhere a stage waits where 1F1B runs a "
+                        "forward; fill stage k with K-1-k forwards, then alternate",
+    "still deadlocks": "it still deadlocks: the engine names the cycle of waits; move one task of that cycle so the "
+                       "task it waits for can run first",
+    "not a reorder": "a fix reorders the given tasks: keep every stage's tasks, change only their order",
+    "no W": "no backward is split off: write each backward as B (its input's gradient, sent upstream at once) and W "
+            "(the weights' gradient, which can wait)",
+    "holds more than 1F1B": "it holds more micro-batches on a stage than 1F1B (K): a micro-batch is held until its W "
+                            "has run, so run the W's sooner",
+    "bubble not smaller": "its unit-cost bubble is not below 1F1B's: put W's where 1F1B's stages wait, in the fill "
+                          "and the drain",
     # any check
     "keywords": "pass your answer as the check's argument itself, as the notebook's check cell does",
 }
@@ -805,3 +825,79 @@ def check_layout(choice: tuple, large_run) -> str:
                        f"but {best['D']} x {best['K']} also fits and takes {best['step s']} s: {why}")
     return (f"✓ {replicas} x {stages}: fits ({row['GB per worker']} GB per worker) and is the fastest layout that "
             f"does ({row['step s']} s a step, bubble {row['bubble']})")
+
+
+WRITTEN = dict(stages=4, micro_batches=8, checkpoint="never")  # notebook 12's setting for its schedules
+BROKEN = ("stage 0: F0 B0 F1 B1 F2 B2 F3 B3\n"   # notebook 12's deadlock, K=3, M=4, no recompute: stage 0
+          "stage 1: F0 F1 B0 B1 F2 F3 B2 B3\n"   # tries to hold one micro-batch at a time
+          "stage 2: F0 F1 B0 B1 F2 F3 B2 B3")
+
+
+def _written(text, name: str, stages: int, micro_batches: int, checkpoint: str = "never"):
+    """The schedule and the engine's report of a text answer; Feedback with the engine's words if it
+    refuses it (or its text is not a schedule)."""
+    _attempted(text, name)
+    if isinstance(text, schedules.Schedule):
+        text = schedules.format(text)
+    if not isinstance(text, str):
+        raise Feedback(f"got {type(text).__name__} {text!r:.60}: {SAYS['schedule text']}")
+    try:
+        written = schedules.parse(text)
+    except ValueError as error:
+        raise Feedback(f"{error}: {SAYS['schedule text']}") from None
+    if len(written) != stages:
+        raise Feedback(f"got {len(written)} lines of tasks for K={stages} stages: {SAYS['stage count']}")
+    try:
+        return written, schedules.check(written, micro_batches, checkpoint)
+    except ValueError as error:
+        family = "still deadlocks" if "deadlocks" in str(error) and name == "FIXED" else "engine refuses"
+        raise Feedback(f"{error}: {SAYS[family]}") from None
+
+
+def _unit_cost(report) -> str:
+    return f"unit-cost makespan {report.makespan:g}, bubble {report.bubble:.0%}, at most {report.held:g} held"
+
+
+@_exercise
+def check_written_1f1b(text) -> str:
+    """MY_1F1B: 1F1B for K=4, M=8, no recompute, as text, one line of tasks per stage."""
+    written, report = _written(text, "MY_1F1B", WRITTEN["stages"], WRITTEN["micro_batches"])
+    best = schedules.check(schedules.one_f_one_b(**WRITTEN), WRITTEN["micro_batches"], "never")
+    if any(t.op == "W" for tasks in written for t in tasks):
+        raise Feedback(SAYS["split in 1F1B"])
+    if report.held > best.held:
+        raise Feedback(f"{_unit_cost(report)}: {SAYS['holds too many']}")
+    if report.makespan > best.makespan:
+        raise Feedback(f"{_unit_cost(report)}, 1F1B's is {best.makespan:g}: {SAYS['slower than 1F1B']}")
+    return f"✓ legal, 1F1B's {_unit_cost(report)}"
+
+
+@_exercise
+def check_deadlock_fix(text) -> str:
+    """FIXED: the schedule BROKEN (K=3, M=4, no recompute) reordered so that it runs, as text."""
+    _attempted(text, "FIXED")
+    given = schedules.parse(BROKEN)
+    if isinstance(text, str):
+        try:
+            tasks = schedules.parse(text)
+        except ValueError:
+            tasks = None
+        if tasks is not None and len(tasks) == len(given) and any(sorted(a) != sorted(b) for a, b in zip(tasks, given)):
+            k = next(k for k, (a, b) in enumerate(zip(tasks, given)) if sorted(a) != sorted(b))
+            raise Feedback(f"stage {k}'s tasks are not BROKEN's stage {k}'s: {SAYS['not a reorder']}")
+    _, report = _written(text, "FIXED", len(given), 4)
+    return f"✓ it runs: {_unit_cost(report)}"
+
+
+@_exercise
+def check_split_schedule(text) -> str:
+    """MY_SPLIT: a schedule for K=4, M=8, no recompute, with W split off, as text."""
+    written, report = _written(text, "MY_SPLIT", WRITTEN["stages"], WRITTEN["micro_batches"])
+    best = schedules.check(schedules.one_f_one_b(**WRITTEN), WRITTEN["micro_batches"], "never")
+    if not any(t.op == "W" for tasks in written for t in tasks):
+        raise Feedback(f"{_unit_cost(report)}: {SAYS['no W']}")
+    if report.held > best.held:
+        raise Feedback(f"{_unit_cost(report)}: {SAYS['holds more than 1F1B']}")
+    if report.bubble >= best.bubble - 1e-9:
+        raise Feedback(f"{_unit_cost(report)}, 1F1B's bubble is {best.bubble:.0%}: {SAYS['bubble not smaller']}")
+    return f"✓ {_unit_cost(report)}, against 1F1B's bubble of {best.bubble:.0%}"

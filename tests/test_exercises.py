@@ -13,6 +13,7 @@ from torch.utils.checkpoint import checkpoint
 
 from engine import GPipe
 from engine.balance import solve
+from engine.schedule import Schedule, Task, format, gpipe, one_f_one_b, parse, zb_h1
 from lab import exercises
 
 SAYS = exercises.SAYS
@@ -200,6 +201,48 @@ MUTANTS += [(check, raising, "raised") for check in REFERENCES]
 MUTANTS += [(check, lambda *a, _right=REFERENCES[check]: str(_right(*a)), "not a number") for check in FORMULA_CHECKS]
 
 
+def written(plan) -> str:
+    return format(plan if isinstance(plan, Schedule) else Schedule(plan))
+
+
+def same_order_everywhere(split: bool) -> str:
+    """1F1B's stage 0 order on every stage (each W right after its B if `split`): legal, K held, slow."""
+    first = one_f_one_b(4, 8, "never")[0]
+    return written([[t for task in first for t in [task._replace(chunk=k)] +
+                     ([Task("W", task.micro, k)] if split and task.op == "B" else [])] for k in range(4)])
+
+
+ONE_F_ONE_B = written(one_f_one_b(4, 8, "never"))
+FIXED = exercises.BROKEN.replace("stage 0: F0 B0 F1 B1 F2 B2 F3 B3", "stage 0: F0 F1 B0 B1 F2 F3 B2 B3")
+WRITTEN_REFERENCES = {exercises.check_written_1f1b: ONE_F_ONE_B, exercises.check_deadlock_fix: FIXED,
+                      exercises.check_split_schedule: written(zb_h1(4, 8, "never"))}
+MUTANTS += [
+    (exercises.check_written_1f1b, 3, "schedule text"),
+    (exercises.check_written_1f1b, "stage 0: F0 X1", "schedule text"),
+    (exercises.check_written_1f1b, written(one_f_one_b(3, 8, "never")), "stage count"),
+    (exercises.check_written_1f1b, ONE_F_ONE_B.replace(" B7", "", 1), "engine refuses"),
+    (exercises.check_written_1f1b, written(zb_h1(4, 8, "never")), "split in 1F1B"),
+    (exercises.check_written_1f1b, written(gpipe(4, 8, "never")), "holds too many"),
+    (exercises.check_written_1f1b, same_order_everywhere(split=False), "slower than 1F1B"),
+    (exercises.check_deadlock_fix, exercises.BROKEN, "still deadlocks"),
+    (exercises.check_deadlock_fix, exercises.BROKEN.replace("F0 B0 F1 B1", "F0 F1 B0 B1"), "still deadlocks"),
+    (exercises.check_deadlock_fix, FIXED.replace("stage 2: F0 F1 B0", "stage 2: B0 F0 F1"), "engine refuses"),
+    (exercises.check_deadlock_fix, FIXED.replace(" F3 B2 B3", " B2", 1), "not a reorder"),
+    (exercises.check_split_schedule, ONE_F_ONE_B, "no W"),
+    (exercises.check_split_schedule, written([tasks + [Task("W", m, k) for m in range(8)]
+                                              for k, tasks in enumerate(gpipe(4, 8, "never"))]), "holds more than 1F1B"),
+    (exercises.check_split_schedule, same_order_everywhere(split=True), "bubble not smaller"),
+    (exercises.check_split_schedule, written(zb_h1(4, 8, "never")).replace("B0 W0", "W0 B0"), "engine refuses"),
+]
+
+
+@pytest.mark.parametrize("check,right", WRITTEN_REFERENCES.items(), ids=lambda v: getattr(v, "__name__", ""))
+def test_written_schedules_that_are_right_pass_as_text_or_as_a_schedule(check, right):
+    assert check(right).startswith("✓"), check(right)
+    assert check(parse(right)).startswith("✓"), check(parse(right))
+    assert check(...).startswith("… not attempted yet") and "replace the `...`" in check(...)
+
+
 @pytest.mark.parametrize("check,right", REFERENCES.items(), ids=lambda v: getattr(v, "__name__", ""))
 def test_the_reference_answers_pass(check, right):
     assert check(right).startswith("✓"), check(right)
@@ -256,7 +299,7 @@ JUNK = [3, 2.5, None, "an answer", b"bytes", [1, 2], {}, (x for x in range(3)), 
 @pytest.mark.parametrize("junk", JUNK, ids=range(len(JUNK)))
 def test_no_check_raises_whatever_it_is_given(junk):
     from lab.replicas import LargeRun
-    checks = [*REFERENCES, exercises.check_first_pipe, lambda a: exercises.check_plan(a, PLAN_ROWS),
+    checks = [*REFERENCES, *WRITTEN_REFERENCES, exercises.check_first_pipe, lambda a: exercises.check_plan(a, PLAN_ROWS),
               lambda a: exercises.check_layout(a, LargeRun())]
     for check in checks:
         said = check(junk)
