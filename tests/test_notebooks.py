@@ -44,7 +44,7 @@ def execute(path: Path, monkeypatch, devices: str = None):
 
 
 def test_the_numbered_notebooks():
-    assert [p.name[:3] for p in NOTEBOOKS] == [f"{i:02d}_" for i in range(0, 12)]
+    assert [p.name[:3] for p in NOTEBOOKS] == [f"{i:02d}_" for i in range(0, 13)]
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
