@@ -7,7 +7,7 @@ import math
 import pytest
 
 from engine.trace import Event, Message, Trace
-from lab import breakdown, processes, replay, reproduce, theory
+from lab import breakdown, charts, processes, replay, reproduce, theory
 from lab.config import RunConfig
 
 
@@ -178,3 +178,24 @@ def test_the_command_writes_every_settings_parts_and_its_measured_step(quick_rec
         assert sum(mine[p] for p in breakdown.PARTS) == pytest.approx(mine[breakdown.STEP], rel=0.02)
     printed = capsys.readouterr().out
     assert "| component (ms) | app default, K=2, processes |" in printed and "| measured step |" in printed
+
+
+def test_the_gantt_draws_the_critical_path_over_its_tasks_and_the_waterfall_climbs_to_the_step():
+    line = replay.unit_cost(2, 4, "never")
+    parts = breakdown.of_trace(line.trace, events_of(line))
+    figure = charts.gantt(line, critical=parts.path)
+    [path] = [trace for trace in figure.data if trace.name == "critical path"]
+    bars = {(y, base, base + width) for trace in figure.data if trace.type == "bar"
+            for y, base, width in zip(trace.y, trace.base, trace.x)}
+    drawn = [p for p in parts.path if p.kind != "start"]   # two points each: its start and its end
+    for piece, x0, x1, y0, y1 in zip(drawn, path.x[0::2], path.x[1::2], path.y[0::2], path.y[1::2]):
+        assert y0 == y1 == f"stage {piece.stage}" and (x0, x1) == (piece.start, piece.end)
+        assert piece.kind != "task" or (y0, x0, x1) in bars  # a task of the path is a drawn bar
+    assert path.x[-1] == line.makespan and len(path.x) == 2 * sum(p.kind != "start" for p in parts.path)
+    fall = charts.waterfall(parts.parts, parts.step, "where").data[0]
+    assert list(fall.x) == [*breakdown.PARTS, "measured step"] and fall.measure[-1] == "total"
+    assert sum(fall.y[:-1]) == pytest.approx(fall.y[-1]) == parts.step * 1e3
+    single = breakdown.of_trace(replay.unit_cost(1, 4, "never").trace)
+    short = charts.waterfall(breakdown.shortfall(parts, single, 2), parts.step, "from K=1",
+                             start=("K=1 step / 2", single.step / 2)).data[0]
+    assert short.measure[0] == "absolute" and sum(short.y[:-1]) == pytest.approx(short.y[-1])
