@@ -289,8 +289,7 @@ def timeline(schedule: list[list[Task]], duration) -> list[list[tuple[float, flo
     its stage is free and its upstream task is done. `duration(stage, task)` gives each task's time.
 
     With unit costs this is the textbook diagram; with measured costs it replays a real run as if
-    every stage had a device of its own. Raises ValueError if the order can deadlock, naming the
-    cycle of waits.
+    every stage had a device of its own. Raises ValueError naming the cycle of waits if it deadlocks.
     """
     schedule = schedule if isinstance(schedule, Schedule) else Schedule(schedule)
     stages, chunks = len(schedule), len(schedule.placement)
@@ -322,20 +321,18 @@ def timeline(schedule: list[list[Task]], duration) -> list[list[tuple[float, flo
 
 
 def _cycle(schedule: Schedule, waits: dict) -> str:
-    """The cycle of waits among stuck stages: "stage 0 waits for B3 from stage 1, which waits for F4
-    from stage 0"."""
+    """The stuck stages' cycle of waits: "stage 0 waits for B3 from stage 1, which waits for F4 from stage 0"."""
     path, k = [], min(waits)
     while k not in path:
         path.append(k)
         k = waits[k][1]
     cycle = path[path.index(k):] + [k]
-    return "stage %d " % k + ", which ".join(f"waits for {schedule.label(waits[a][0])} from "
-                                             f"{'itself' if a == b else f'stage {b}'}" for a, b in zip(cycle, cycle[1:]))
+    return f"stage {k} " + ", which ".join(f"waits for {schedule.label(waits[a][0])} from "
+                                           f"{'itself' if a == b else f'stage {b}'}" for a, b in zip(cycle, cycle[1:]))
 
 
 class Report(NamedTuple):
-    """What `check` predicts of a legal schedule in the unit-cost model (per chunk of a stage of v:
-    F = 1/v, B = 2/v, or B = W = 1/v when W is split off, R = 1/v)."""
+    """`check`'s unit-cost prediction (a stage's F = 1, B = 2 or B = W = 1 with W split off, R = 1; a chunk 1/v)."""
 
     makespan: float
     bubble: float       # the stages' idle fraction
@@ -357,7 +354,7 @@ def check(schedule: list[list[Task]], micro_batches: int, checkpoint: str = "exc
         for i, task in enumerate(tasks):
             name = f"stage {k} runs {schedule.label(task)}"
             if task.op not in ("F", "R", "B", "W") or not 0 <= task.micro < micro_batches:
-                raise ValueError(f"{name}: expected F, R, B or W, micro-batch 0..{micro_batches - 1} (M={micro_batches})")
+                raise ValueError(f"{name}: expected F, R, B or W, and a micro-batch 0..{micro_batches - 1}")
             if not 0 <= task.chunk < len(place) or place[task.chunk] != k:
                 raise ValueError(f"{name}, but the placement {place} does not put chunk {task.chunk} on stage {k}")
             if task in where:
@@ -424,11 +421,10 @@ def parse(text: str) -> Schedule:
     else:
         raise ValueError(f"placement: {' '.join(placement)}: expected 'loop', 'V' or one stage number per chunk")
     mine = [[c for c, at in enumerate(place) if at == k] for k in range(len(rows))]
-    for k, row in enumerate(rows):
-        for op, micro, chunk in row:
-            if chunk is None and len(mine[k]) != 1:
-                raise ValueError(f"{op}{micro} on stage {k} names no chunk, but the stage holds chunks {mine[k]}: "
-                                 f"write {op}{micro}@{(mine[k] or [k])[0]}")
+    for k, op, micro in ((k, op, m) for k, row in enumerate(rows) for op, m, c in row if c is None):
+        if len(mine[k]) != 1:
+            raise ValueError(f"{op}{micro} on stage {k} names no chunk, but the stage holds chunks {mine[k]}: "
+                             f"write {op}{micro}@{(mine[k] or [k])[0]}")
     return Schedule([[Task(op, m, mine[k][0] if c is None else c) for op, m, c in row]
                      for k, row in enumerate(rows)], place)
 

@@ -70,7 +70,7 @@ BAD = [  # (text, M, checkpoint, the message)
     ("F0 B0 R0\nF0 R0 B0", 1, "always", "stage 0 runs B0 before R0"),
     ("F0 B0 W0\nF0 B0", 1, "never", "stage 1 never runs W0: once W is split off, every B leaves its weight gradient"),
     ("F0 W0 B0\nF0 B0 W0", 1, "never", "stage 0 runs W0 before B0"),
-    ("F0 F1 B0 B1\nF0 B0", 1, "never", r"stage 0 runs F1: expected F, R, B or W, micro-batch 0..0 \(M=1\)"),
+    ("F0 F1 B0 B1\nF0 B0", 1, "never", "stage 0 runs F1: expected F, R, B or W, and a micro-batch 0..0$"),
     ("placement: 0 0\nF0@0 B0@0\nF0@1 B0@1", 1, "never", r"the placement \(0, 0\) puts no chunk on stage 1"),
     ("placement: 0 1 2\nF0@0 B0@0\nF0@1 B0@1", 1, "never", r"the placement \(0, 1, 2\) puts a chunk on stage 2, but "
                                                             r"there are stages 0..1"),
@@ -198,3 +198,42 @@ def test_written_schedules_on_stage_processes_equal_threads_bitwise():
             assert time.monotonic() - start < 5, "every rank refuses it before it runs"
         finally:
             pool.close()
+
+
+def rank_dependent(texts):
+    """Rank r's schedule, texts[r], read where it is unpickled: in each stage process."""
+    import torch.distributed as dist
+    return parse(texts[dist.get_rank()])
+
+
+class PerRank(Schedule):
+    """A schedule that reaches each stage process as that rank's own text: ranks whose pipes follow
+    different orders, each legal alone (what the static check cannot see)."""
+
+    def __init__(self, texts):
+        super().__init__(parse(texts[0]))
+        self.texts = texts
+
+    def __reduce__(self):
+        return rank_dependent, (self.texts,)
+
+
+@pytest.mark.timeout(120)
+def test_a_deadlock_at_run_time_is_reported_on_every_rank_with_the_waits_within_5_s():
+    from engine import StageFailed
+    from engine.distributed.pool import ProcessPool
+    torch.manual_seed(1)
+    x, y = torch.randn(8, 16), torch.randint(0, 3, (8,))
+    pool = ProcessPool(2)
+    try:  # rank 0 follows the first order, rank 1 the second: stage 0 waits for B0, stage 1 for F1
+        orders = ["stage 0: F0 B0 F1 B1\nstage 1: F0 B0 F1 B1", "stage 0: F0 F1 B0 B1\nstage 1: F0 F1 B1 B0"]
+        pool.build("conftest:mlp", {}, balance=2, chunks=2, checkpoint="never", schedule=PerRank(orders))
+        start = time.monotonic()
+        with pytest.raises(StageFailed, match="deadlock: stage 0 waits for B0 from stage 1; stage 1 waits for F1 "
+                                              "from stage 0"):
+            pool.step(x, y, nn.functional.cross_entropy)  # an answer from every rank, or it would time out
+        assert time.monotonic() - start < 5
+        pool.build("conftest:mlp", {}, balance=2, chunks=2, checkpoint="never")
+        assert pool.step(x, y, nn.functional.cross_entropy).item() > 0, "the pool works on"
+    finally:
+        pool.close()

@@ -32,6 +32,7 @@ from ..microbatch import Value
 from ..transport import StageFailed
 
 POLL_SECONDS = 0.05                            # how often a waiting rank looks for failures elsewhere
+STUCK_SECONDS = 2.0                            # a wait this long is posted; when every rank's is, a deadlock
 NOTE_CHARS = 2000                              # the longest failure note a rank posts or reads (text only)
 LANES = ("auto", "shm", "gloo")
 _serials = itertools.count()                   # pipes made in this process: the same order on every rank
@@ -292,6 +293,7 @@ class ProcessTransport:
 
     def _get(self, key):
         """Read what arrives, in order, until the value filed under `key` is there."""
+        since, posted = time.monotonic(), False
         while key not in self._arrived:
             if self._failure is not None:
                 raise self._failure
@@ -302,9 +304,24 @@ class ProcessTransport:
                 raise self._failure from None
             if not arrivals:
                 self.check_failures()
+                posted = posted or time.monotonic() - since > STUCK_SECONDS and self._stuck(key)
             for arrival in arrivals:
                 self._file(arrival)
+        if posted:
+            self.store.delete_key(f"waits/{self.step}/{self.ranks.rank}")
         return self._arrived.pop(key)
+
+    def _stuck(self, key) -> bool:
+        """Post that this rank has waited STUCK_SECONDS for `key`; if every rank of the pipe waits, none
+        can send what another waits for (a deadlock): fail the call, naming each rank's wait."""
+        step, kind, micro, chunk = key
+        what = f"{'FB'[kind == 'grad']}{micro} from stage {self.placement[chunk + (kind == 'grad') - (kind == 'act')]}" \
+            if kind in ("act", "grad") else f"its {kind!r} message"
+        self.store.set(f"waits/{step}/{self.ranks.rank}", f"stage {self.ranks.rank} waits for {what}")
+        waits = [f"waits/{step}/{rank}" for rank in range(self.ranks.size)]
+        if self.store.check(waits):
+            self.report_failure("deadlock: " + "; ".join(self.store.get(w).decode() for w in waits))
+        return True
 
     def _file(self, arrival: wire.Arrival) -> None:
         header = arrival.header
