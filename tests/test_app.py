@@ -50,8 +50,9 @@ def find_slider(at, key):
 
 
 def gantt(at):
+    """The first chart's figure and its bars by name (the critical path's line left out)."""
     spec = json.loads(at.get("plotly_chart")[0].proto.spec)
-    bars = {trace["name"]: trace for trace in spec["data"]}
+    bars = {trace["name"]: trace for trace in spec["data"] if trace["type"] == "bar"}
     return spec, bars
 
 
@@ -322,3 +323,8 @@ def test_a_written_schedule_is_checked_predicted_and_run_beside_gpipe(app):
         assert "from the unpipelined step" in line and float(line.rsplit(" ", 1)[1]) < 1e-5, line
     spec = json.loads(next(c for c in app.get("plotly_chart") if "writer_measured" in c.proto.id).proto.spec)
     assert {t["name"] for t in spec["data"]} >= {"forward", "backward", "weight gradient"}
+    small(app, stages=3, micro=3, blocks=4, recompute="off")  # ZB-V's 6 chunks, but 4 layers
+    app.button(key="writer_run").click().run()
+    assert not app.exception
+    assert any("It cannot run on this model" in e.value and "only 4 layers" in e.value for e in app.error), \
+        [e.value for e in app.error]
