@@ -431,9 +431,16 @@ def show_writer(record: RunRecord, config: RunConfig) -> None:
                  schedule_writer.replayed(verdict.schedule, record.solo_events or record.events, config.virtual_stages)]
     st.plotly_chart(charts.stacked_gantt(predicted, [f"{line.label}: bubble {line.bubble:.0%}" for line in predicted]),
                     key="writer_predicted")
-    if len(verdict.schedule) != config.stages or not st.button("run it", key="writer_run"):
+    if len(verdict.schedule) != config.stages:
+        st.info(f"It has {len(verdict.schedule)} stages: set K = {len(verdict.schedule)} in the sidebar to run it.")
         return
-    runs = schedule_writer.run_beside_gpipe(config, verdict.schedule)
+    if not st.button("run it", key="writer_run"):
+        return
+    try:
+        runs = schedule_writer.run_beside_gpipe(config, verdict.schedule)
+    except ValueError as error:  # e.g. more chunks than the model has layers
+        st.error(f"It cannot run on this model: {error}")
+        return
     st.plotly_chart(charts.stacked_gantt([r.timeline for r in runs],
                                          [f"{r.timeline.label}: bubble {r.timeline.bubble:.0%}" for r in runs]),
                     key="writer_measured")

@@ -129,6 +129,7 @@ def run_beside_gpipe(config: RunConfig, schedule: Schedule) -> list[Ran]:
     if len(schedule) != config.stages:
         raise ValueError(f"the schedule has {len(schedule)} stages but the setting has K={config.stages}")
     virtual = len(schedule.placement) // len(schedule)
+    schedules.check_layout("written", config.stages, micro, virtual, config.layers)  # a layer or more per chunk
     runs = []
     for label, setting, written in (("written", config.but(virtual_stages=virtual), schedule),
                                     ("GPipe", config.but(schedule="gpipe", virtual_stages=1), None)):
