@@ -58,6 +58,16 @@ def test_torchs_actions_read_with_the_placement_where_each_chunk_runs():
         format(one_f_one_b(2, 2, "always"), torch=True)
 
 
+def test_torch_reads_the_actions_written_for_it():
+    """Each exported action, read back by torch.distributed.pipelining itself, is the same task."""
+    from torch.distributed.pipelining.schedules import _Action
+    ops = {"F": "F", "I": "B", "B": "B", "W": "W"}  # torch's I is a B with W split off
+    for plan in (zb_v(3, 4, "never"), named("interleaved", 2, 4, "never"), one_f_one_b(3, 4, "never")):
+        for stage, row in zip(plan, format(plan, torch=True).splitlines()):
+            read = [_Action.from_str(cell) for cell in row.split(",")]
+            assert [Task(ops[a.computation_type.value], a.microbatch_index, a.stage_index) for a in read] == stage
+
+
 BAD = [  # (text, M, checkpoint, the message)
     ("F0 B0\nF0 B0 B0", 1, "never", "stage 1 runs B0 twice"),
     ("F0 B0\nF0", 1, "never", "stage 1 never runs B0"),
