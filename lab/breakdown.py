@@ -111,26 +111,32 @@ class Breakdown:
                 + [{"setting": setting, "component": STEP, "ms": round(self.step * 1e3, 3)}])
 
 
-def releasers(events: list[Event]) -> dict[Event, Optional[Event]]:
-    """For each task, the task that released it: of the previous task on its stage and the task of
-    another chunk whose output it needed (engine.schedule.upstream), the one that ended later (on a
-    tie, the other stage's: its hand-over is what the task waited for); None for a task that
-    waited for neither."""
+def in_order(events: list[Event]) -> dict[int, list[Event]]:
+    """Each stage's tasks in the order they ran."""
+    lines: dict[int, list[Event]] = {}
+    for e in sorted(events, key=lambda e: (e.start, e.end)):
+        lines.setdefault(e.stage, []).append(e)
+    return lines
+
+
+def feeders(events: list[Event]) -> dict[Event, Optional[Event]]:
+    """For each task, the task of another chunk whose output it needed (engine.schedule.upstream),
+    or None."""
     chunks = 1 + max((e.chunk for e in events), default=0)
     by_task = {(e.op, e.micro, e.chunk): e for e in events}
-    previous: dict[Event, Optional[Event]] = {}
-    for stage in {e.stage for e in events}:
-        line = sorted((e for e in events if e.stage == stage), key=lambda e: (e.start, e.end))
-        previous.update(zip(line, [None] + line[:-1]))
+    needed = {e: upstream(Task(e.op, e.micro, e.chunk), chunks) for e in events}
+    return {e: by_task.get(tuple(task)) if task else None for e, task in needed.items()}
+
+
+def releasers(events: list[Event]) -> dict[Event, Optional[Event]]:
+    """For each task, the task that released it: of the previous task on its stage and the task of
+    another chunk whose output it needed, the one that ended later (on a tie, the other stage's:
+    its hand-over is what the task waited for); None for a task that waited for neither."""
+    previous = {e: before for line in in_order(events).values() for before, e in zip([None] + line[:-1], line)}
     found = {}
-    for e in events:
-        needed = upstream(Task(e.op, e.micro, e.chunk), chunks)
-        feeder = by_task.get((needed.op, needed.micro, needed.chunk)) if needed else None
+    for e, feeder in feeders(events).items():
         before = previous[e]
-        if feeder is None or (before is not None and before.end > feeder.end):
-            found[e] = before
-        else:
-            found[e] = feeder
+        found[e] = before if feeder is None or (before is not None and before.end > feeder.end) else feeder
     return found
 
 
@@ -209,9 +215,8 @@ def schedule_idle(events: list[Event], stage: int, mean: dict) -> float:
     """How long `stage` idles when every stage runs its tasks in the order they ran in this step, each
     task taking `mean[(op, micro)]` (the stages made equal): the unit-cost diagram of the step's own
     schedule, with the step's task times (engine.schedule.timeline, as lab.replay lays out replays)."""
-    stages = 1 + max(e.stage for e in events)
-    order = [[Task(e.op, e.micro, e.chunk) for e in sorted((e for e in events if e.stage == k),
-                                                           key=lambda e: (e.start, e.end))] for k in range(stages)]
+    lines = in_order(events)
+    order = [[Task(e.op, e.micro, e.chunk) for e in lines.get(k, [])] for k in range(1 + max(lines))]
     times = timeline(order, lambda k, task: mean[(task.op, task.micro)])
     makespan = max((end for line in times for _, end in line), default=0.0)
     return makespan - sum(end - start for start, end in times[stage])
@@ -251,14 +256,10 @@ def of_trace(trace: Trace, alone: Optional[list[dict]] = None, label: str = "") 
     for m in trace.messages:
         messages.setdefault(m.stage, []).append((m.start, m.end))
     ledger = _Ledger(critical, times, mean, messages)
-    released = releasers(events)
-    chunks = 1 + max(e.chunk for e in events)
-    by_task = {(e.op, e.micro, e.chunk): e for e in events}
+    released, fed_by = releasers(events), feeders(events)
     cursor = 0.0
-    for e in sorted((e for e in events if e.stage == critical), key=lambda e: (e.start, e.end)):
-        needed = upstream(Task(e.op, e.micro, e.chunk), chunks)
-        feeder = by_task.get((needed.op, needed.micro, needed.chunk)) if needed else None
-        start = max(e.start, cursor)
+    for e in in_order(events)[critical]:
+        feeder, start = fed_by[e], max(e.start, cursor)
         if feeder is not None and feeder.stage != critical and feeder.end > cursor:
             until = min(feeder.end, start)
             ledger.waited(backwards(feeder, released), cursor, until)
