@@ -422,7 +422,7 @@ def show_writer(record: RunRecord, config: RunConfig) -> None:
         except ValueError as error:
             left.warning(f"{name} at these settings: {error}")
     text = right.text_area(f"the schedule (K = {config.stages}, M = {micro}, checkpoint '{config.checkpoint}')",
-                           key="writer_text", height=40 + 28 * config.stages)
+                           key="writer_text", height=40 + 28 * config.stages, max_chars=schedule_writer.MAX_CHARS)
     verdict = schedule_writer.examine(text, micro, config.checkpoint)
     (st.success if verdict.legal else st.error)(verdict.line)
     if not verdict.legal:

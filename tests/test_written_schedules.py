@@ -247,3 +247,22 @@ def test_a_deadlock_at_run_time_is_reported_on_every_rank_with_the_waits_within_
         assert pool.step(x, y, nn.functional.cross_entropy).item() > 0, "the pool works on"
     finally:
         pool.close()
+
+
+def test_the_writers_verdicts_predictions_and_guards():
+    from lab import schedule_writer
+    text = schedule_writer.preset("zb-v", 2, 2, "never")
+    assert text == format(zb_v(2, 2, "never"))
+    verdict = schedule_writer.examine(text, 2, "never")
+    assert verdict.legal and verdict.line == "✓ legal: makespan 6.5 units, bubble 8%, at most 2 micro-batches held on a stage"
+    assert schedule_writer.examine(format(zb_v(2, 2, "never"), torch=True), 2, "never").line == verdict.line
+    assert schedule_writer.examine("F0 B0\nF0", 1, "never").line == "✗ stage 1 never runs B0"
+    theory = schedule_writer.unit_cost(verdict.schedule)
+    assert theory.makespan == 6.5 and theory.bubble == pytest.approx(verdict.report.bubble)
+    events = [{"op": op, "start": 0.0, "end": seconds} for op, seconds in (("F", 1.0), ("B", 2.0), ("B", 2.0))]
+    assert schedule_writer.replayed(verdict.schedule, events, 1).makespan == theory.makespan  # F=1, B=2 split in half
+    with pytest.raises(ValueError, match="interleaved"):
+        schedule_writer.preset("interleaved", 2, 3, "never")
+    for huge in ("F0@99999999999 B0", "99999999999F0,0B0"):  # refused before the engine lays out that many chunks
+        assert schedule_writer.examine(huge, 1, "never").line.startswith("✗ chunk 99999999999 is named, but")
+    assert schedule_writer.examine("F0 " * 40_000, 1, "never").line.startswith("✗ 120000 characters")
