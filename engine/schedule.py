@@ -87,10 +87,9 @@ class Schedule(list):
 
     def __init__(self, tasks, placement: Optional[tuple] = None):
         super().__init__(list(stage) for stage in tasks)
-        chunks = 1 + max((t.chunk for stage in self for t in stage), default=0)
         placement = getattr(tasks, "placement", None) if placement is None else placement
-        self.placement = tuple(loop(len(self), -(-chunks // max(len(self), 1)) * len(self))
-                               if placement is None else placement)
+        chunks = -(-(1 + max((t.chunk for stage in self for t in stage), default=0)) // max(len(self), 1)) * len(self)
+        self.placement = tuple(loop(len(self), chunks) if placement is None else placement)
 
     def label(self, task: Task) -> str:
         """A task's name: "F3", or "F3@5" where its stage holds several chunks."""
@@ -233,8 +232,7 @@ def zb_v(stages: int, micro_batches: int, checkpoint: str = "except_last", virtu
     leaves one of them to the second), else its oldest pending W, else it waits."""
     check_layout("zb-v", stages, micro_batches, virtual)
     count, limit, plans = 2 * stages, 2 * stages, Schedule([[] for _ in range(stages)], v_shape(stages, 2 * stages))
-    done: dict[Task, int] = {}
-    free, held, weights = [0] * stages, [0] * stages, [[] for _ in range(stages)]
+    done, free, held, weights = {}, [0] * stages, [0] * stages, [[] for _ in range(stages)]  # done: Task -> end
     forwards, backwards = [0] * count, [0] * count  # the next micro-batch to forward, backward per chunk
     clock, total = 0, count * micro_batches
 
@@ -411,6 +409,8 @@ def parse(text: str) -> Schedule:
         rows.append(row)
     if not rows:
         raise ValueError("no stages: expected one line of tasks per stage, such as 'stage 0: F0 F1 B0 B1'")
+    if max(found, default=-1) >= sum(map(len, rows)):  # every chunk has tasks: a stray "@99999" lays out nothing
+        raise ValueError(f"chunk {max(found)} is named, but {sum(map(len, rows))} tasks cannot cover so many chunks")
     count = -(-max(max(found, default=0) + 1, len(rows)) // len(rows)) * len(rows)
     if placement is None:
         place = tuple(found.get(c, c % len(rows)) for c in range(count))

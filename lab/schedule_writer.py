@@ -8,7 +8,6 @@ stage holds several chunks, an optional "placement:" line. This module draws on 
 """
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 from typing import Optional
 
@@ -54,17 +53,11 @@ class Verdict:
 
 
 def examine(text: str, micro_batches: int, checkpoint: str) -> Verdict:
-    """Parse and check `text` for M micro-batches: "✓ legal: <report>" or "✗ <the first problem>". A
-    text longer than MAX_CHARS, or naming a chunk beyond its number of tasks (each chunk needs its
-    own), is refused before the engine lays out that many chunks (a page's box takes any text)."""
+    """Parse and check `text` for M micro-batches: "✓ legal: <report>" or "✗ <the first problem>"; a
+    text longer than MAX_CHARS is refused unread (a page's box takes any text)."""
     if len(text) > MAX_CHARS:
         return Verdict(None, None, f"✗ {len(text)} characters: a page takes at most {MAX_CHARS} (ZB-V at K=8, M=64 "
                                    f"is about 26,000)")
-    tasks = len(re.split(r"[\s,]+", text))
-    chunks = [int(a or b) for a, b in re.findall(r"@(\d+)|(?<![\w@])(\d+)[FIBW]\d", text)]  # F3@5, or torch's 5F3
-    if chunks and max(chunks) >= tasks:
-        return Verdict(None, None, f"✗ chunk {max(chunks)} is named, but {tasks} tasks cannot cover that many "
-                                   f"chunks: each chunk needs its own tasks")
     try:
         schedule = schedules.parse(text)
         report = schedules.check(schedule, micro_batches, checkpoint)
