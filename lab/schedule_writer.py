@@ -155,5 +155,8 @@ def run_beside_gpipe(config: RunConfig, schedule: Schedule) -> list[Ran]:
 
 
 def exactness_line(ran: Ran) -> str:
-    """One run's gradients in words: "written: largest gradient difference from the unpipelined step 3e-08"."""
+    """One run's gradients in words: "written: largest gradient difference from the unpipelined step 3e-08"
+    (GPipe's own line, where its gradients are the reference, says so)."""
+    if ran.reference == f"{ran.label}'s gradients":
+        return f"{ran.label}: the reference (the model has dropout, whose masks only a pipeline draws alike)"
     return f"{ran.label}: largest gradient difference from {ran.reference} {ran.difference:.1e}"

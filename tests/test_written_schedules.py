@@ -2,6 +2,7 @@
 that name the first problem (a deadlock as its cycle of waits), the unit-cost report, ZB-V, and
 written schedules run exactly on threads and on stage processes."""
 import time
+from dataclasses import replace
 
 import pytest
 import torch
@@ -282,3 +283,7 @@ def test_the_writers_verdicts_predictions_and_guards():
         assert schedule_writer.examine(huge, 1, "never").line == "✗ chunk 99999999999 is named, but 2 tasks cannot " \
                                                                  "cover so many chunks"
     assert schedule_writer.examine("F0 " * 40_000, 1, "never").line.startswith("✗ 120000 characters")
+    reference = schedule_writer.Ran("GPipe", theory, [], 0.0, "GPipe's gradients")  # a model with dropout
+    assert schedule_writer.exactness_line(reference).startswith("GPipe: the reference")
+    assert schedule_writer.exactness_line(replace(reference, label="written", difference=2e-8)) == \
+        "written: largest gradient difference from GPipe's gradients 2.0e-08"
