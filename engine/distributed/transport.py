@@ -11,6 +11,7 @@ that sees it tells the Store.
 """
 from __future__ import annotations
 
+import collections
 import itertools
 import json
 import os
@@ -33,6 +34,7 @@ from ..transport import StageFailed
 
 POLL_SECONDS = 0.05                            # how often a waiting rank looks for failures elsewhere
 STUCK_SECONDS = 2.0                            # a wait this long is posted; when every rank's is, a deadlock
+_ABSENT = "-"                                  # what a non-blocking read of the Store gives for a missing key
 NOTE_CHARS = 2000                              # the longest failure note a rank posts or reads (text only)
 LANES = ("auto", "shm", "gloo")
 _serials = itertools.count()                   # pipes made in this process: the same order on every rank
@@ -169,6 +171,7 @@ class ProcessTransport:
         self._decided = -1                            # the last call whose decision arrived
         self._failure: Optional[StageFailed] = None   # a lost connection: every later wait raises it
         self._log: list[tuple] = []                   # (step, *fields of a trace.Message), perf_counter times
+        self._traffic: collections.Counter = collections.Counter()  # (step, "sent" | "received", peer) -> messages
         self._closed = False
 
     def _open_lane(self, world: "World", members: list[int], peers: list[int], wraps: bool) -> Lane:
@@ -196,6 +199,7 @@ class ProcessTransport:
         self.step, self.decision = step, None
         self._arrived = {key: value for key, value in self._arrived.items() if key[0] >= step}
         self._log = [entry for entry in self._log if entry[0] >= step]
+        self._traffic = collections.Counter({key: n for key, n in self._traffic.items() if key[0] >= step})
         self.lane.begin()
 
     def agree(self, decision: Optional[Decision]) -> Decision:
@@ -293,7 +297,7 @@ class ProcessTransport:
 
     def _get(self, key):
         """Read what arrives, in order, until the value filed under `key` is there."""
-        since, posted = time.monotonic(), False
+        since, posted = time.monotonic(), None
         while key not in self._arrived:
             if self._failure is not None:
                 raise self._failure
@@ -304,30 +308,42 @@ class ProcessTransport:
                 raise self._failure from None
             if not arrivals:
                 self.check_failures()
-                posted = posted or time.monotonic() - since > STUCK_SECONDS and self._stuck(key)
+                if time.monotonic() - since > STUCK_SECONDS:
+                    posted = self._stuck(key, posted)
             for arrival in arrivals:
                 self._file(arrival)
-        if posted:
+        if posted is not None:
             self.store.delete_key(f"waits/{self.step}/{self.ranks.rank}")
         return self._arrived.pop(key)
 
-    def _stuck(self, key) -> bool:
-        """Post that this rank has waited STUCK_SECONDS for `key`; if every rank of the pipe waits, none
-        can send what another waits for (a deadlock): fail the call, naming each rank's wait."""
+    def _stuck(self, key, posted: Optional[str]) -> str:
+        """Post that this rank has waited STUCK_SECONDS for `key`, with the messages it has sent to and
+        read from each rank in this call (again whenever those change). When every rank of the pipe
+        waits and every message sent was read (none is still on its way, as a large payload on a
+        slow link can be for seconds), none can send what another waits for: a deadlock. Fail the
+        call, naming each rank's wait. Returns what this rank posted."""
         step, kind, micro, chunk = key
         what = f"{'FB'[kind == 'grad']}{micro} from stage {self.placement[chunk + (kind == 'grad') - (kind == 'act')]}" \
             if kind in ("act", "grad") else f"its {kind!r} message"
-        self.store.set(f"waits/{step}/{self.ranks.rank}", f"stage {self.ranks.rank} waits for {what}")
-        waits = [f"waits/{step}/{rank}" for rank in range(self.ranks.size)]
-        if self.store.check(waits):
-            self.report_failure("deadlock: " + "; ".join(self.store.get(w).decode() for w in waits))
-        return True
+        peers = range(self.ranks.size)
+        counts = [[self._traffic[(step, way, peer)] for peer in peers] for way in ("sent", "received")]
+        note = f"{json.dumps(counts)}\nstage {self.ranks.rank} waits for {what}"
+        if note == posted:
+            return note
+        self.store.set(f"waits/{step}/{self.ranks.rank}", note)
+        notes = [self.store.compare_set(f"waits/{step}/{rank}", _ABSENT, _ABSENT).decode() for rank in peers]
+        if _ABSENT not in notes:  # every rank waits (a read that does not block: a wait may end meanwhile)
+            told = [(json.loads(n.split("\n", 1)[0]), n.split("\n", 1)[1]) for n in notes]
+            if all(told[a][0][0][b] == told[b][0][1][a] for a in peers for b in peers):
+                self.report_failure("deadlock: " + "; ".join(wait for _, wait in told))
+        return note
 
     def _file(self, arrival: wire.Arrival) -> None:
         header = arrival.header
         if header.kind == "act" and arrival.peer == self.upstream and header.step > self._decided:
             self._decided = header.step  # the first activation of a call brings its decision
             self._arrived[(header.step, "decision", 0, 0)] = header.decision
+        self._traffic[(header.step, "received", arrival.peer)] += 1
         if header.kind in ("act", "grad"):
             self._log.append((header.step, self.ranks.rank, arrival.peer, "receive", header.kind, header.micro,
                               header.payload_bytes, arrival.start, arrival.end))
@@ -341,6 +357,7 @@ class ProcessTransport:
         except Lost as lost:
             self._failure = self._lost(lost.peer, lost.error)
             raise self._failure from None
+        self._traffic[(self.step, "sent", destination)] += 1
         if kind in ("act", "grad"):
             nbytes = sum(t.numel() * t.element_size() for t in wire.describe(value)[1] if t is not None)
             self._log.append((self.step, self.ranks.rank, destination, "send", kind, micro, nbytes, start,
