@@ -115,7 +115,7 @@ def test_pinned_runs_are_shown_side_by_side(app):
     app.button(key="pin").click().run()
     small(app, micro=8)
     app.button(key="pin").click().run()
-    titles = [json.loads(c.proto.spec)["layout"]["title"]["text"] for c in app.get("plotly_chart")]
+    titles = [json.loads(c.proto.spec)["layout"].get("title", {}).get("text", "") for c in app.get("plotly_chart")]
     assert "K=3, M=1, except_last, mlp, threads" in titles and "K=3, M=8, except_last, mlp, threads" in titles
     assert not app.exception
 
@@ -175,7 +175,7 @@ def test_both_transports_draw_k_stage_rows_and_every_task(app, transport):
         assert set(bars["sending"]["y"]) == {"stage 0 · messages", "stage 1 · messages"}
     else:
         assert "sending" not in bars
-    titles = [json.loads(c.proto.spec)["layout"]["title"]["text"] for c in app.get("plotly_chart")]
+    titles = [json.loads(c.proto.spec)["layout"].get("title", {}).get("text", "") for c in app.get("plotly_chart")]
     assert any(t.startswith("What crosses per step") for t in titles)
 
 
