@@ -1,7 +1,10 @@
 """The app on a host with GPUs, faked: the GPU count the app reads without torch, CUDA's presence for
 the configuration's checks, and runs that compute on the CPU while the page believes they ran on GPUs."""
+from dataclasses import replace
+
 import pytest
 
+import lab.breakdown
 import lab.config
 import lab.experiments
 from test_app import app  # noqa: F401  (the fixture: a fresh server, three measured rounds)
@@ -19,6 +22,9 @@ def two_gpus(monkeypatch):
     monkeypatch.setattr(lab.config, "visible_gpus", lambda: 2)
     monkeypatch.setattr(lab.config, "_cuda_available", lambda: True)
     monkeypatch.setattr(lab.experiments, "run", on_the_cpu)
+    alone = lab.breakdown.alone_events  # the serial step behind "where the time went" computes on the CPU too
+    monkeypatch.setattr(lab.breakdown, "alone_events",
+                        lambda record: alone(replace(record, config={**record.config, "device": "cpu"})))
 
 
 def test_stages_on_gpus_are_measured_as_processes_too_and_k1_runs_on_one_gpu(app, two_gpus):  # noqa: F811

@@ -213,6 +213,7 @@ def test_a_failed_nccl_receive_is_raised_naming_its_sender():
             return RuntimeError("NCCL error: remote process exited")
     transport = ProcessTransport.__new__(ProcessTransport)
     transport.ranks, transport.step, transport._failure = Ranks(1, 3), 0, None
+    transport.placement = [0, 1, 2]  # chunk c on stage c
     transport.lane, transport.shared = _lane_with_nccl_sends_in_flight(), dist.HashStore()
     transport._arrived = {(0, "grad", 4, 1): ("value", [Failed()])}
     with pytest.raises(StageFailed, match=r"\[rank 2, stage 2\] unreachable.*remote process exited"):
