@@ -6,11 +6,20 @@ import pytest
 import streamlit as st
 from streamlit.testing.v1 import AppTest
 
+import lab.config
+
 APP = str(Path(__file__).resolve().parent.parent / "app.py")
 
 
+# What the page opens with in these tests: the small setting `small` chooses, so that a test's first
+# run takes a second or two instead of the shipped default's ten (its Transformer, stages as processes,
+# each round beside a K=1 step). The shipped default has a test of its own (`shipped_app`).
+LIGHT = lab.config.APP_DEFAULT.but(model="mlp", blocks=8, width=128, batch=16, stages=3, micro_batches=4,
+                                   transport="threads")
+
+
 @pytest.fixture
-def app(monkeypatch):
+def shipped_app(monkeypatch):
     """The page in a new session of a server with nothing cached (measured records and the set of
     measured settings are server-wide: each test starts as a fresh server would). Three measured
     rounds instead of eleven: these tests check what the page shows, not the figures' spread (the
@@ -22,6 +31,13 @@ def app(monkeypatch):
     yield at
     st.cache_data.clear()
     st.cache_resource.clear()
+
+
+@pytest.fixture
+def app(shipped_app, monkeypatch):
+    """The same page, opening with LIGHT: for the tests that choose their own setting."""
+    monkeypatch.setattr(lab.config, "APP_DEFAULT", LIGHT)
+    return shipped_app
 
 
 def small(at, **values):
@@ -56,7 +72,8 @@ def gantt(at):
     return spec, bars
 
 
-def test_defaults_run_and_draw_the_measured_gantt(app):
+def test_defaults_run_and_draw_the_measured_gantt(shipped_app):
+    app = shipped_app
     app.run()
     assert not app.exception and not app.error
     spec, bars = gantt(app)

@@ -7,7 +7,7 @@ import pytest
 import lab.breakdown
 import lab.config
 import lab.experiments
-from test_app import app  # noqa: F401  (the fixture: a fresh server, three measured rounds)
+from test_app import app, shipped_app  # noqa: F401  (the fixtures: a fresh server, three measured rounds)
 
 
 @pytest.fixture
