@@ -150,7 +150,7 @@ def first_chart_seconds(browser, url: str, width: int):
 
 @pytest.mark.timeout(600)
 def test_a_fresh_server_draws_a_chart_at_once_and_measures_what_a_script_measures(tmp_path):
-    """Three fresh server starts, as a learner meets the lab. The first chart (the theory diagram as
+    """Two fresh server starts, as a learner meets the lab. The first chart (the theory diagram as
     an SVG, which needs no Plotly script, then the warm-up step live) shows within 5 s of opening
     the page, and within 3 s of what this host's browser needs to draw the page that a second tab
     gets from the server's cache: a cold server (torch loading, stage processes starting) must not
@@ -159,15 +159,15 @@ def test_a_fresh_server_draws_a_chart_at_once_and_measures_what_a_script_measure
     script: the page's median step time and speedup differ from the script's medians by no more than
     the larger of the two spreads over their rounds (with the script's spread alone, the same test
     failed on the code of the start of this session too: this host's speed drifts between the
-    page's rounds and the script's, run a minute apart). The median of the three speedups shown is
-    above 1: two stages on two cores beat one. The goal of 1.6x is a benchmark's to report
+    page's rounds and the script's, run a minute apart). Each start's speedup shown is above 1: two
+    stages on two cores beat one. The goal of 1.6x is a benchmark's to report
     (`python -m lab.reproduce transports`), not this test's: CI's 2-core host showed medians of
     1.32x, 1.18x and 1.65x in one run while a script beside them measured 1.44x, 1.38x and 1.23x,
     so the host's speed, not the page, sets the figure. The metrics are readable
     at 1400 px and on a 1280 px laptop; the terminal stays clean. Seconds and figures are printed
     (pytest -s): they are what docs/app.md reports."""
     colds, warms, pages, scripts = [], [], [], []
-    for start, width in enumerate((1400, 1400, 1280)):
+    for start, width in enumerate((1400, 1280)):
         log_path = tmp_path / f"server-{start}.log"
         with streamlit_server(log_path) as url, chromium() as browser:
             page, cold = first_chart_seconds(browser, url, width)
@@ -201,7 +201,7 @@ def test_a_fresh_server_draws_a_chart_at_once_and_measures_what_a_script_measure
             assert abs(mine - median) <= max(high - low, most - least), \
                 f"{label}: the page shows {shown[label]}, a script measured {script[label]} (median, lowest, highest)"
     speedups = [shown["speedup over K=1"][0] for shown in pages]
-    assert sorted(speedups)[1] > 1, f"speedup over K=1 on first load: {speedups}"
+    assert min(speedups) > 1, f"speedup over K=1 on first load: {speedups}"
 
 
 @pytest.mark.timeout(600)
