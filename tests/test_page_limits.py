@@ -4,7 +4,7 @@ import pytest
 
 from lab import config, experiments, processes
 from lab.config import APP_DEFAULT, check_page
-from test_app import app  # noqa: F401  (the fixture: a fresh server's page, nothing cached)
+from test_app import app, shipped_app  # noqa: F401  (the fixtures: a fresh server's page, nothing cached)
 
 
 @pytest.fixture
@@ -23,7 +23,8 @@ def started(monkeypatch):
 @pytest.mark.parametrize("key,value", [("stages", 100), ("micro", 10 ** 6), ("blocks-transformer", 500),
                                        ("micro", "16"), ("width-transformer", 4096), ("batch-transformer", 10 ** 6),
                                        ("seed", -5), ("model", "gpt-5")])
-def test_a_session_edited_by_hand_runs_nothing_beyond_the_controls(app, started, key, value):  # noqa: F811
+def test_a_session_edited_by_hand_runs_nothing_beyond_the_controls(shipped_app, started, key, value):  # noqa: F811
+    app = shipped_app  # the shipped default: its Transformer's controls are the ones edited
     app.session_state[key] = value
     app.run()
     assert not app.exception, app.exception
@@ -34,7 +35,8 @@ def test_a_session_edited_by_hand_runs_nothing_beyond_the_controls(app, started,
         assert any(f"{value!r} is not one of" in w.value for w in app.sidebar.warning)
 
 
-def test_a_query_string_changes_nothing(app, started):  # noqa: F811
+def test_a_query_string_changes_nothing(shipped_app, started):  # noqa: F811
+    app = shipped_app
     for key, value in {"stages": "100", "micro": "100000", "width": "65536", "model": "x"}.items():
         app.query_params[key] = value
     app.run()
