@@ -398,9 +398,11 @@ def show_compare(record: RunRecord, config: RunConfig) -> None:
 def show_downloads(record: RunRecord) -> None:
     st.subheader("8 · Take the trace with you")
     left, right = st.columns(2)
+    # on_click="ignore": a download is no reason to rerun the page (a rerun replaced the files being fetched)
     left.download_button("trace as Chrome-trace JSON (opens in ui.perfetto.dev)", record.chrome_trace(),
-                         file_name="gpipe-trace.json", mime="application/json")
-    right.download_button("events as CSV", record.events_csv(), file_name="gpipe-events.csv", mime="text/csv")
+                         file_name="gpipe-trace.json", mime="application/json", on_click="ignore")
+    right.download_button("events as CSV", record.events_csv(), file_name="gpipe-events.csv", mime="text/csv",
+                          on_click="ignore")
 
 
 def show_writer(record: RunRecord, config: RunConfig) -> None:
