@@ -1,17 +1,14 @@
 """One chunk of a pipeline's layers and its tasks: forward (F), recompute (R), backward (B) and,
 for schedules that split the backward, the weight gradient (W).
 
-A chunk is what a stage runs; a stage holds one chunk, or several with schedule="interleaved". It
-keeps, per micro-batch, either the graph of its forward (to run the backward on later) or, when
-the micro-batch is checkpointed, only its input (to recompute the graph just before the backward).
-The backward is run explicitly by the chunk's own stage, from the gradient the next chunk sent
-back, so stages run their backwards in parallel.
+A stage holds one chunk, or several (interleaved, ZB-V). Per micro-batch a chunk keeps the graph of
+its forward, or, when the micro-batch is checkpointed, only its input, to recompute the graph just
+before the backward, which its own stage runs from the gradient the next chunk sent back.
 
-Split backward (zero-bubble schedules): while the forward runs, the output of every module that
-owns parameters (a Linear, a LayerNorm, an Embedding...) is noted. B computes, in one pass through
-the chunk's graph, the gradient of the chunk's input (sent upstream at once) and of each of those
-outputs, keeping the graph; W then computes each module's weight gradients from its output's
-gradient. Nothing is computed twice, but the graph and those gradients are held from B to W.
+Split backward (zero-bubble schedules): the forward notes the output of every module that owns
+parameters; B computes, in one pass, the gradient of the chunk's input (sent upstream at once) and of
+those outputs, keeping the graph; W computes each module's weight gradients from its output's.
+Nothing is computed twice, but the graph and those gradients are held from B to W.
 """
 from __future__ import annotations
 

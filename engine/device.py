@@ -1,12 +1,10 @@
 """Devices for stages: choosing and checking them, per-thread CPU/CUDA setup, timing, and copies.
 
-CPU is a first-class device: every stage may be "cpu", each worker then limits its intra-op
-threads so that K workers share the cores instead of oversubscribing them. On CUDA each stage
-computes on a stream of its own; tensors cross to the next stage's GPU on the sender's stream,
-ordered on the receiving GPU by a stream of that edge alone (a copy into a GPU otherwise waits for
-everything on that GPU's default stream, so every copy into it would wait for every earlier one),
-and the receiver waits on an event recorded there before touching them. Inputs and targets from
-the host are pinned first: a copy from pageable memory makes the host wait for the GPU.
+CPU is a first-class device: each stage's worker limits its intra-op threads, so K workers share the
+cores. On CUDA each stage computes on a stream of its own; a tensor crosses to the next GPU on the
+sender's stream, ordered there by a stream of that edge alone (not the default stream, which would
+make every copy wait for every earlier one), and the receiver waits on an event before using it.
+Host inputs and targets are pinned: a copy from pageable memory makes the host wait for the GPU.
 """
 from __future__ import annotations
 
@@ -23,9 +21,7 @@ from .microbatch import Value, rebuild, tensors_of
 
 
 def pinned(value: Value, devices) -> Value:
-    """`value` in page-locked host memory if it is on the host and any of `devices` is a GPU (a
-    copy from there to a GPU lets the host go on; from pageable memory it waits for the GPU's
-    queued work), else `value` itself."""
+    """`value` in page-locked host memory if it is on the host and any of `devices` is a GPU, else itself."""
     if not any(torch.device(d).type == "cuda" for d in devices):
         return value
     return rebuild(value, [t.pin_memory() if t.device.type == "cpu" and not t.is_pinned() else t
@@ -41,11 +37,9 @@ def cpu_cores() -> int:
 
 
 def keep_freed_cpu_memory() -> bool:
-    """Opt-in host tuning: let glibc's malloc keep freed memory for reuse instead of giving it back
-    to the OS, so that activations and gradients re-allocated every micro-batch stop costing page
-    faults (tens of thousands per step, and worse when stage threads fault at the same time).
-    Process-wide; applies on Linux with glibc; returns whether it did. The engine never calls it
-    itself: benchmarks and the lab do, for every configuration they compare alike."""
+    """Opt-in host tuning: glibc's malloc keeps freed memory for reuse, so activations re-allocated
+    every micro-batch stop costing page faults. Process-wide, Linux with glibc; returns whether it
+    did. The engine never calls it: benchmarks and the lab do, alike for all they compare."""
     try:
         libc = ctypes.CDLL("libc.so.6")
         settings = ((-3, 32 << 20), (-1, 1 << 30), (-2, 64 << 20))  # M_MMAP_THRESHOLD, M_TRIM_THRESHOLD, M_TOP_PAD
@@ -55,11 +49,9 @@ def keep_freed_cpu_memory() -> bool:
 
 
 def resolve_devices(devices, stages: int, module: Optional[nn.Module] = None) -> list[torch.device]:
-    """One checked torch.device per stage. The policy is the same for every K, so that K=1 and K=2
-    never run on different kinds of device: `None` keeps every stage where the model already is
-    (the CPU for a model built on it); a device name puts every stage there, except a bare "cuda",
-    which spreads the stages over the visible GPUs (stage k on cuda:k mod count); a list gives each
-    stage its own."""
+    """One checked torch.device per stage, by one policy for every K: `None` keeps every stage where
+    the model is; a name puts every stage there, except a bare "cuda", which puts stage k on cuda:k
+    mod the GPUs visible; a list gives each stage its own."""
     if devices is None:
         return [home_device(module)] * stages
     if isinstance(devices, (str, torch.device)):
