@@ -304,15 +304,9 @@ def alone_events(record) -> list[dict]:
         return record.solo_events
     if record.stages == 1:
         return record.events
-    from .experiments import build, pipeline, solo_events  # torch loads only when a step runs
+    from .experiments import solo_run  # torch loads only when a step runs
 
-    config = RunConfig(**record.config)
-    model, (inputs, targets), loss_fn = build(config)
-    pipe = pipeline(config, model, record.balance)
-    try:
-        return solo_events(pipe, inputs, targets, loss_fn)
-    finally:
-        pipe.close()
+    return solo_run(RunConfig(**record.config), record.balance)
 
 
 def measure(config: RunConfig, rounds: int = MEASURE_ROUNDS, warmup: int = MEASURE_WARMUP):

@@ -211,13 +211,7 @@ def run(config: RunConfig, on_event: Optional[Callable] = None, replay: Union[bo
             measured.append((trace, loss, wall, single_pipe.step(inputs, targets, loss_fn)[1] if single_pipe else None))
     trace, loss, wall, _ = sorted(measured, key=lambda m: m[0].makespan)[len(measured) // 2]
     singles = sorted((m[3] for m in measured if m[3] is not None), key=lambda t: t.makespan)
-    solo = None
-    if replayed:
-        solo_pipe = pipeline(config, build(config)[0], balance)
-        try:
-            solo = solo_events(solo_pipe, inputs, targets, loss_fn)
-        finally:
-            solo_pipe.close()
+    solo = solo_run(config, balance) if replayed else None
     predicted = predicted_activation_bytes(config, model, inputs, balance)
     crossed, how = _boundary_traffic(config, trace, model, inputs, balance)
     return RunRecord(
@@ -282,6 +276,16 @@ def _notes(config: RunConfig, inputs) -> list[str]:
                      f"device(s) here: measured tasks stretch while they wait for one. "
                      f"The ideal replay shows K separate devices.")
     return notes
+
+
+def solo_run(config: RunConfig, balance: list[int]) -> list[dict]:
+    """The configuration's tasks timed one at a time (solo_events) on a fresh pipe of its model cut by `balance`."""
+    model, (inputs, targets), loss_fn = build(config)
+    pipe = pipeline(config, model, balance)
+    try:
+        return solo_events(pipe, inputs, targets, loss_fn)
+    finally:
+        pipe.close()
 
 
 def solo_events(pipe: GPipe, inputs, targets, loss_fn, repeats: int = 2) -> list[dict]:
