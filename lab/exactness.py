@@ -39,7 +39,7 @@ def compare(config: RunConfig, stage_counts: Iterable[int] = (1, 2, 4),
     difference from the unpipelined whole-batch gradients (only meaningful without dropout)."""
     reference = pipeline_gradients(config, 1, "never")
     model, (inputs, targets), loss_fn = build(config)
-    whole = None if _has_dropout(model) else unpipelined_gradients(model, inputs, targets, loss_fn)
+    whole = None if has_dropout(model) else unpipelined_gradients(model, inputs, targets, loss_fn)
     rows = []
     for stages in stage_counts:
         for checkpoint in checkpoints:
@@ -83,7 +83,8 @@ def loss_curves(config: RunConfig, stage_counts: Iterable[int], steps: int) -> d
     return {f"K={k}": training_curve(config.but(stages=k), steps) for k in stage_counts}
 
 
-def _has_dropout(model: nn.Module) -> bool:
+def has_dropout(model: nn.Module) -> bool:
+    """Whether the model draws dropout masks: its pipelined gradients then differ from an unpipelined step's by design."""
     return any(isinstance(m, nn.Dropout) and m.p > 0 for m in model.modules())
 
 

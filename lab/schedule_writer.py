@@ -125,7 +125,7 @@ def run_beside_gpipe(config: RunConfig, schedule: Schedule) -> list[Ran]:
     gradients of each (every step starts from zero, no optimizer steps) against the
     unpipelined step on the whole mini-batch (against GPipe's, for a model with dropout, whose masks
     the pipeline draws per micro-batch)."""
-    from .exactness import _has_dropout, unpipelined_gradients  # torch loads here, not with the page
+    from .exactness import has_dropout, unpipelined_gradients  # torch loads here, not with the page
     from .experiments import build, choose_balance, stepper_for
     from .replay import measured
 
@@ -145,7 +145,7 @@ def run_beside_gpipe(config: RunConfig, schedule: Schedule) -> list[Ran]:
             gradients = stepper.gradients()
         runs.append((label, trace, gradients))
     model, (inputs, targets), loss_fn = build(config)
-    dropout = _has_dropout(model)
+    dropout = has_dropout(model)
     reference = runs[1][2] if dropout else unpipelined_gradients(model, inputs, targets, loss_fn)
     return [Ran(label, measured(trace.to_records(), trace.stages, f"measured, {label}"),
                 [m.activation_peak_bytes for m in trace.memory],
