@@ -84,7 +84,8 @@ def loss_curves(config: RunConfig, stage_counts: Iterable[int], steps: int) -> d
 
 
 def has_dropout(model: nn.Module) -> bool:
-    """Whether the model draws dropout masks: its pipelined gradients then differ from an unpipelined step's by design."""
+    """Whether the model draws dropout masks (its pipelined gradients then differ from an unpipelined
+    step's by design)."""
     return any(isinstance(m, nn.Dropout) and m.p > 0 for m in model.modules())
 
 
