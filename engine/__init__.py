@@ -4,7 +4,6 @@
     GPipe(model, balance, ...)                       # stages as threads of this process
     GPipe(model, balance, ..., group=dist.group.WORLD)  # one process per stage (under torchrun)
     GPipe(model, balance, ..., group=pp, data_parallel=dp)  # D pipelines as replicas
-    ProcessPool(stages)                              # K local stage processes driven from here
 
 Reading path, core first (each file has one job):
  1. pipe.py       GPipe: cut the model, plan each call, hand it to a runner
@@ -16,7 +15,7 @@ Reading path, core first (each file has one job):
  7. transport.py  how a task's output reaches the next chunk between threads
  8. device.py, microbatch.py, partition.py, balance.py, batchnorm.py, rng.py, memory.py, trace.py
 Then the process plug-in, engine/distributed (its own docstring orders it): a RankRunner and a
-ProcessTransport over one of two Lanes, and the ProcessPool that starts stage processes.
+ProcessTransport over one of two Lanes. (lab.pool starts K local stage processes for the lab.)
 
 Every name here loads the first time it is asked for: `engine.schedule` and `engine.trace` need no
 torch (the lab draws its theory diagrams from them while torch is still loading), and the thread
@@ -26,8 +25,7 @@ from importlib import import_module
 
 _HOMES = {"GPipe": "pipe", "balance_by_time": "balance", "balance_by_size": "balance", "StageFailed": "transport",
           "Trace": "trace", "Event": "trace", "Message": "trace", "StageMemory": "trace",
-          "Reduction": "trace",
-          "ProcessPool": "distributed.pool", "StageProcessError": "distributed.pool"}
+          "Reduction": "trace"}
 __all__ = list(_HOMES)
 
 

@@ -8,7 +8,6 @@ Host inputs and targets are pinned: a copy from pageable memory makes the host w
 """
 from __future__ import annotations
 
-import ctypes
 import os
 import time
 from contextlib import ExitStack, nullcontext
@@ -34,18 +33,6 @@ def cpu_cores() -> int:
         return len(os.sched_getaffinity(0))
     except AttributeError:  # not on Linux
         return os.cpu_count() or 1
-
-
-def keep_freed_cpu_memory() -> bool:
-    """Opt-in host tuning: glibc's malloc keeps freed memory for reuse, so activations re-allocated
-    every micro-batch stop costing page faults. Process-wide, Linux with glibc; returns whether it
-    did. The engine never calls it: benchmarks and the lab do, alike for all they compare."""
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-        settings = ((-3, 32 << 20), (-1, 1 << 30), (-2, 64 << 20))  # M_MMAP_THRESHOLD, M_TRIM_THRESHOLD, M_TOP_PAD
-        return all(libc.mallopt(option, value) == 1 for option, value in settings)
-    except (OSError, AttributeError):
-        return False
 
 
 def resolve_devices(devices, stages: int, module: Optional[nn.Module] = None) -> list[torch.device]:

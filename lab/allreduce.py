@@ -4,7 +4,7 @@ processes over gloo, timed (the lessons set it beside what a pipeline's cuts car
 Data parallelism keeps a whole copy of the model on each of K devices and, after every step, sums
 the gradients of all copies: in a ring all-reduce each device sends about 2(K-1)/K times the
 gradients' bytes. Here the processes are spawned, meet at a Store in a private file of this
-process's (gloo on loopback: nothing listens on a network, engine/distributed/local.py), all-reduce
+process's (gloo on loopback: nothing listens on a network, lab/loopback.py), all-reduce
 a tensor of that size a few times, and report the median; none is left behind.
 """
 from __future__ import annotations
@@ -14,8 +14,8 @@ import time
 
 import torch
 
-from engine.distributed.children import Children
-from engine.distributed.local import Meeting, join
+from .children import Children
+from .loopback import Meeting, join
 
 
 def time_all_reduce(nbytes: int, devices: int = 2, rounds: int = 5, timeout: float = 120.0) -> dict:

@@ -20,10 +20,12 @@ from typing import Callable
 import torch
 from torch import nn
 
-from engine import GPipe, ProcessPool
-from engine.device import cpu_cores, keep_freed_cpu_memory
+from engine import GPipe
+from engine.device import cpu_cores
 
+from .host import keep_freed_cpu_memory
 from .models import build_mlp
+from .pool import ProcessPool
 
 
 def plain_step(model: nn.Sequential, threads: int) -> Callable[[torch.Tensor, torch.Tensor], None]:
@@ -256,7 +258,7 @@ def main(argv=None) -> None:
     parser.add_argument("--checkpoint", default="except_last", choices=["always", "except_last", "never"])
     parser.add_argument("--default-malloc", action="store_true",
                         help="leave glibc malloc as it is (by default freed memory is kept for reuse, "
-                             "see engine.device.keep_freed_cpu_memory)")
+                             "see lab.host.keep_freed_cpu_memory)")
     args = parser.parse_args(argv)
     tuned = not args.default_malloc and keep_freed_cpu_memory()
     width, layers, batch = (64, 4, 128) if args.quick else (1024, 8, 2048)

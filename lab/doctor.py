@@ -201,7 +201,7 @@ def processes_equal_threads(lane: str = "auto", device: str = "cpu") -> Check:
     GPU_TOLERANCE on GPUs. The processes run first: in EXCLUSIVE_PROCESS mode they need GPUs that no
     context of this process holds yet."""
     def check() -> str:
-        from engine.distributed.pool import ProcessPool
+        from .pool import ProcessPool
         x, y = batch()
         with ProcessPool(2, timeout=120, lane=lane, device=device) as pool:
             loss, trace, _ = Stepper(CHECK_MODEL, check_model(), 2, pool=pool, chunks=MICRO).step(x, y, LOSS)

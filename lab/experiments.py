@@ -17,13 +17,14 @@ from torch import nn
 
 from engine import GPipe, balance_by_size, balance_by_time
 from engine.balance import layer_sizes, layer_times
-from engine.device import cpu_cores, keep_freed_cpu_memory, spread
+from engine.device import cpu_cores, spread
 from engine.microbatch import tensors_of
 from engine.partition import even_balance
 from engine.trace import Event, Message, Trace
 
 from . import host, models, processes, theory
 from .config import RunConfig, baseline_of, check, micro_batch_count
+from .host import keep_freed_cpu_memory
 from .stepper import Stepper
 
 RECIPE = "lab.models:build"   # a zoo model by name: what stage processes build

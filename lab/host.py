@@ -2,6 +2,7 @@
 and the device the notebooks run on."""
 from __future__ import annotations
 
+import ctypes
 import os
 import platform
 
@@ -67,3 +68,15 @@ def device_note(device: str) -> str:
         return (f"Stages run on the **CPU**, {cpu_cores()} cores. This host has {len(found)} GPU(s) ({found[0]}): "
                 f"set {DEVICE_VARIABLE}=cuda before starting Jupyter to use them.")
     return f"Stages run on the **CPU**, {cpu_cores()} cores (no GPU here)."
+
+
+def keep_freed_cpu_memory() -> bool:
+    """Opt-in host tuning: glibc's malloc keeps freed memory for reuse, so activations re-allocated
+    every micro-batch stop costing page faults. Process-wide, Linux with glibc; returns whether it
+    did. The engine never calls it: benchmarks and the lab do, alike for all they compare."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        settings = ((-3, 32 << 20), (-1, 1 << 30), (-2, 64 << 20))  # M_MMAP_THRESHOLD, M_TRIM_THRESHOLD, M_TOP_PAD
+        return all(libc.mallopt(option, value) == 1 for option, value in settings)
+    except (OSError, AttributeError):
+        return False

@@ -8,7 +8,7 @@ import time
 from queue import SimpleQueue
 
 from engine.device import cpu_cores
-from engine.distributed.children import Children
+from .children import Children
 
 
 def spin(count: int) -> tuple[float, float]:

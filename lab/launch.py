@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 from typing import Callable, Optional
 
-from engine.distributed.local import loopback_interface
+from .loopback import loopback_interface
 
 ROOT = Path(__file__).resolve().parent.parent
 # Every agent and worker started here runs on this host: their gloo binds to the loopback interface

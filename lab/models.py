@@ -193,7 +193,7 @@ ZOO: dict[str, ZooModel] = {
 
 def build(name: str, blocks: int, width: int, seed: int = 0) -> nn.Sequential:
     """The zoo model `name`, by name: what stage processes call to make their own copy
-    (engine.distributed.pool recipes must be importable functions)."""
+    (lab.pool recipes must be importable functions)."""
     return get(name).build(blocks, width, seed)
 
 

@@ -18,13 +18,13 @@ from typing import Callable, Iterator, Optional
 import torch
 from torch import nn
 
-from engine.device import keep_freed_cpu_memory
-from engine.distributed.children import Children
-from engine.distributed.local import Meeting, join
-from engine.distributed.pool import ProcessPool
 
 from . import models, theory
+from .children import Children
 from .exactness import unpipelined_gradients
+from .host import keep_freed_cpu_memory
+from .loopback import Meeting, join
+from .pool import ProcessPool
 from .stepper import Stepper
 
 BASELINE = "one core, no pipeline"
@@ -246,7 +246,7 @@ def race(work: Workload, micros: list[int], rounds: int, progress: Optional[Call
     """Yield, M after M, every peer's result at that M, the one-core baseline first. At each M the
     contenders take turns, one step each per round, after one untimed warm-up step each. Every
     process in the race, the peer's two included, gets the same malloc tuning (see
-    engine.device.keep_freed_cpu_memory)."""
+    lab.host.keep_freed_cpu_memory)."""
     tuned_malloc = keep_freed_cpu_memory()
     reference = unpipelined_gradients(work.model(), *work.data(), nn.functional.mse_loss)
     builders = [single_device, ours] + ([torchgpipe_peer] if torchgpipe_available() else [])

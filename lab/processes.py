@@ -15,7 +15,7 @@ import threading
 from contextlib import contextmanager
 from typing import Callable, Iterator, Optional
 
-from engine.distributed.pool import ProcessPool, StageProcessError
+from .pool import ProcessPool, StageProcessError
 
 _turn = threading.Lock()
 _pool: Optional[ProcessPool] = None

@@ -27,9 +27,9 @@ import plotly.graph_objects as go
 import torch
 from tqdm import tqdm
 
-from engine.device import keep_freed_cpu_memory
 
 from . import breakdown, fit, host, peers, schedule_race, speedup, theory
+from .host import keep_freed_cpu_memory
 from .config import APP_DEFAULT, MEASURE_ROUNDS, MEASURE_WARMUP, RunConfig, measure_rounds
 from .config import check as check_config
 

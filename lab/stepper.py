@@ -15,9 +15,11 @@ from typing import Callable, Optional
 import torch
 from torch import nn
 
-from engine import GPipe, ProcessPool
-from engine.distributed.children import resolve
+from engine import GPipe
 from engine.trace import Trace
+
+from .children import resolve
+from .pool import ProcessPool
 
 
 class Stepper:

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.distributed.local import loopback_interface
+from lab.loopback import loopback_interface
 from launch import children
 from listeners import beyond_loopback, descendants, listening
 

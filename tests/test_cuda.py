@@ -82,7 +82,7 @@ def test_serial_runs_time_each_task_alone_and_traces_keep_dependencies():
 def test_a_pool_started_with_a_local_rank_puts_stage_k_on_gpu_k(monkeypatch):
     """As a pool started from a torchrun worker: its children inherit LOCAL_RANK, and must not all
     take that GPU."""
-    from engine.distributed.pool import ProcessPool
+    from lab.pool import ProcessPool
     monkeypatch.setenv("LOCAL_RANK", "1")
     torch.manual_seed(1)
     x, y = torch.randn(32, 16), torch.randint(0, 3, (32,))
@@ -117,7 +117,7 @@ def test_a_copy_into_a_gpu_waits_for_nothing_else_queued_there():
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
 def test_stage_processes_on_two_gpus_send_payloads_over_nccl():
-    from engine.distributed.pool import ProcessPool
+    from lab.pool import ProcessPool
     x, y = torch.randn(8, 16), torch.randint(0, 4, (8,))
     with ProcessPool(2, timeout=120, device="cuda") as pool:
         pool.build("lab.models:build", dict(name="mlp", blocks=4, width=16), chunks=4)

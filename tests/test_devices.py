@@ -181,7 +181,7 @@ def test_without_the_drivers_folder_gpus_are_counted_by_nvidia_smi_as_on_wsl2(tm
 def test_a_pools_stage_takes_the_gpu_of_its_pool_rank_not_an_inherited_local_rank(pretend_gpus, monkeypatch):
     """A pool started from a torchrun worker: its children inherit LOCAL_RANK=3, yet stage k is on
     cuda:k mod the GPUs (four, faked), as the pool's own ranks say."""
-    from engine.distributed import stage_server as pool
+    from lab import stage_server as pool
     monkeypatch.setenv("LOCAL_RANK", "3")
     monkeypatch.setattr(pool, "join", lambda *args, **kwargs: None)   # no group: only where the stage goes
     selected = []

@@ -16,7 +16,7 @@ from launch import children
 from listeners import beyond_loopback, listening
 from lab.launch import two_nodes
 from engine import GPipe
-from engine.distributed.pool import ProcessPool, StageProcessError
+from lab.pool import ProcessPool, StageProcessError
 
 ROOT = Path(__file__).resolve().parent.parent
 FAULTS = str(ROOT / "tests" / "distributed_faults.py")
@@ -266,7 +266,7 @@ def test_a_killed_stage_process_is_reported_and_the_pool_leaves_nothing(batch):
 @pytest.mark.timeout(120)
 def test_stage_processes_die_with_their_parent(tmp_path):
     script = ("import sys, time; sys.path[:0] = [%r, %r]\n"
-              "from engine.distributed.pool import ProcessPool\n"
+              "from lab.pool import ProcessPool\n"
               "pool = ProcessPool(2)\n"
               "print(*pool.pids, flush=True)\n"
               "time.sleep(60)\n") % (str(ROOT), str(ROOT / "tests"))
@@ -289,7 +289,7 @@ def test_bad_use_of_group_is_a_clear_error(batch):
     with pytest.raises(ValueError, match="needs torch.distributed initialized first"):
         GPipe(mlp(), 2, group=object())
     with pytest.raises(ValueError, match="recipe='nothing': expected 'package.module:function'"):
-        from engine.distributed.children import resolve
+        from lab.children import resolve
         resolve("nothing")
 
 

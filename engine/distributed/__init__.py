@@ -5,8 +5,5 @@
 3. wire.py: the frames stage processes exchange (header, then payload), never pickle;
 4. shm_lane.py and gloo_lane.py: the two lanes (shared memory on one host; gloo, NCCL for GPUs);
    works.py: waiting on torch.distributed works;
-5. replicas.py: data parallelism, the all-reduce of a stage with its replicas;
-6. pool.py: `ProcessPool`, K local stage processes driven from one process (the lab, notebooks),
-   and stage_server.py, what each of them runs; children.py and child.py start them, whatever
-   the parent is; local.py: how they meet with no socket beyond loopback.
+5. replicas.py: data parallelism, the all-reduce of a stage with its replicas.
 """

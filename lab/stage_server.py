@@ -1,4 +1,4 @@
-"""A stage process of a ProcessPool (engine/distributed/pool.py, the parent's side): it joins the
+"""A stage process of a ProcessPool (lab/pool.py, the parent's side): it joins the
 pool's group, builds its stage of the model from a recipe, and answers the pool's commands (build,
 step, forward, parameters, ping)."""
 from __future__ import annotations
@@ -9,8 +9,11 @@ import time
 
 import torch
 
+from engine.device import spread
+
 from .children import resolve
-from .local import join
+from .host import keep_freed_cpu_memory
+from .loopback import join
 
 START_SECONDS = 120.0  # how long a stage process waits for the others to join
 
@@ -19,8 +22,6 @@ class StageServer:
     """A stage process: joins the pool's group, then answers the pool's commands."""
 
     def __init__(self, rank: int, size: int, store: str, threads: int, keep_freed_memory: bool, device: str):
-        from ..device import keep_freed_cpu_memory, spread
-
         if keep_freed_memory:
             keep_freed_cpu_memory()
         torch.set_num_threads(threads)
@@ -107,7 +108,7 @@ def _copies(partition: torch.nn.Module, what: str) -> list:
 def _build(recipe: str, recipe_kwargs: dict, balance, options: dict, optimizer, threads: int, device: str):
     import torch.distributed as dist
 
-    from ..pipe import GPipe
+    from engine import GPipe
 
     model = resolve(recipe)(**recipe_kwargs)
     pipe = GPipe(model, balance, group=dist.group.WORLD,

@@ -1,8 +1,8 @@
-"""The entry point of a child process: `python -m engine.distributed.child FD NAME`.
+"""The entry point of a child process: `python -m lab.child FD NAME`.
 
 It reads, on the connection whose file descriptor is FD, the parent's `sys.path`, the parent's pid
 and what to run ("package.module:function" and its arguments), then serves the parent's commands
-(engine/distributed/children.py). It never imports the parent's main module.
+(lab/children.py). It never imports the parent's main module.
 """
 import os
 import sys
@@ -24,7 +24,7 @@ def _die_with(parent: int) -> None:
 
 def main() -> None:
     connection = Connection(int(sys.argv[1]))
-    from engine.distributed.children import portable, receive, resolve, serve
+    from lab.children import portable, receive, resolve, serve
 
     try:
         path, parent = receive(connection)

@@ -1,8 +1,8 @@
-"""Child processes that run engine code only, whatever the parent is.
+"""Child processes that run only the function they are asked to, whatever the parent is.
 
 multiprocessing's "spawn" re-imports the parent's main module in each child (a script without a
 main guard starts children forever; `streamlit run app.py` re-runs the page). So a child here is
-`python -m engine.distributed.child` with the parent's `sys.path`, importing only the function it
+`python -m lab.child` with the parent's `sys.path`, importing only the function it
 is asked to run, by name:
 
     children = Children("lab.allreduce:member", [(rank, 2, port) for rank in range(2)])
@@ -13,7 +13,7 @@ In the child, `function(*args)` makes a server: a callable answering each comman
 `close()`, and a `tell` attribute that becomes a way to send the parent notes). Its exceptions reach
 the parent with their own type; a child that dies or stays silent past the timeout raises
 ChildFailed; children end with their parent. Parent and child talk pickle over an inherited socket
-pair with no name or address; ranks talk to each other without pickle (wire.py).
+pair with no name or address; ranks talk to each other without pickle (engine/distributed/wire.py).
 """
 from __future__ import annotations
 
@@ -30,9 +30,9 @@ from multiprocessing.connection import Connection, Pipe, wait
 from pathlib import Path
 from typing import Callable, Optional, Sequence, Union
 
-from ..transport import StageFailed
+from engine.transport import StageFailed
 
-ENGINE_ROOT = str(Path(__file__).resolve().parents[2])  # the folder that holds the engine package
+PROJECT_ROOT = str(Path(__file__).resolve().parents[1])  # the folder that holds the engine and lab packages
 ECHO_SECONDS = 15.0  # after one child's error, how long the others may take to answer (a stage's
                      # failure reaches every rank within 5 s, a lost rank within 15 s)
 Target = Union[str, Callable]
@@ -85,14 +85,14 @@ class Children:
         target = target if isinstance(target, str) else name_of(target)
         self.name, self.timeout = name, timeout
         environment = {**os.environ, **(env or {}),
-                       "PYTHONPATH": os.pathsep.join([ENGINE_ROOT] + [p for p in os.environ.get("PYTHONPATH", "")
+                       "PYTHONPATH": os.pathsep.join([PROJECT_ROOT] + [p for p in os.environ.get("PYTHONPATH", "")
                                                                       .split(os.pathsep) if p])}
         self._connections: list[Connection] = []
         self._processes: list[subprocess.Popen] = []
         self._finalizer = weakref.finalize(self, _stop, self._processes, self._connections)
         for index, child_args in enumerate(args):
             ours, theirs = Pipe()
-            process = subprocess.Popen([sys.executable, "-m", "engine.distributed.child", str(theirs.fileno()),
+            process = subprocess.Popen([sys.executable, "-m", "lab.child", str(theirs.fileno()),
                                         f"{name}-{index}"], pass_fds=[theirs.fileno()], env=environment,
                                        stdin=subprocess.DEVNULL)
             theirs.close()

@@ -7,10 +7,10 @@
     pool.parameters()                                   # on request: the model's parameters, stage by stage
     pool.close()                                        # or let the interpreter exit: nothing stays behind
 
-The stage processes run engine code only (children.py), so the parent may be anything: a script
+The stage processes never import the parent's main module (children.py), so the parent may be anything: a script
 without a main guard, a Jupyter kernel, the Streamlit server. Each builds the model from a recipe
 importable by name ("package.module:function"); the model is never sent. They meet at a Store in a
-private folder and talk on loopback only (local.py). A stage's failure is raised here with its own
+private folder and talk on loopback only (loopback.py). A stage's failure is raised here with its own
 type, the stage named; a dead child is a StageProcessError, after which the pool is closed.
 """
 from __future__ import annotations
@@ -22,10 +22,11 @@ from typing import Callable, Optional, Union
 
 import torch
 
-from ..trace import Trace
+from engine.distributed.shm_lane import SHM, checked_spin, sweep
+from engine.trace import Trace
+
 from .children import Children, ChildFailed, name_of, resolve
-from .local import Meeting
-from .shm_lane import SHM, checked_spin, sweep
+from .loopback import Meeting
 from .stage_server import START_SECONDS
 
 Recipe = Union[str, Callable]
@@ -55,7 +56,7 @@ class ProcessPool:
         self._meeting = Meeting()
         self._shm_prefix = f"gpipe-pool{os.getpid()}-{next(_pools)}"
         try:
-            self._children = Children("engine.distributed.stage_server:StageServer",
+            self._children = Children("lab.stage_server:StageServer",
                                       [(rank, stages, self._meeting.path, threads_per_stage, keep_freed_memory, device)
                                        for rank in range(stages)], name="stage", timeout=timeout,
                                       env={**self._meeting.env, "GPIPE_SHM_PREFIX": self._shm_prefix,
