@@ -10,27 +10,18 @@ a micro-batch kept only as its input), "B" (backward; with a separate "W" it com
 gradient of the chunk's input and of what lies between its layers) or "W" (the gradient of the
 weights, deferred).
 
-- gpipe: every forward, then every backward (fill, drain): Huang et al., 2019.
-- 1f1b: one forward, one backward after a short fill (PipeDream-Flush: Narayanan et al., ICML 2021,
-  "Memory-Efficient Pipeline-Parallel DNN Training"): the same time as GPipe, but stage k holds at
-  most K-k micro-batches instead of M.
-- interleaved: 1F1B over v chunks per stage (Narayanan et al., 2021, Megatron-LM): the fill and
-  drain pass through smaller chunks, so the bubble shrinks about v-fold; needs M a multiple of K.
-- zb-h1: 1F1B with each backward split into B and W, the first W's of stage k deferred to fill
-  the drain (Qi et al., 2023, "Zero Bubble Pipeline Parallelism", schedule ZB-H1): at most K
-  micro-batches in flight on any stage, 1F1B's bound, and about a third of its bubble.
-- zb-v: two chunks per stage placed in a V (stage k holds chunks k and 2K-1-k), W split off
-  (Qi et al., 2024, "Pipeline Parallelism with Controllable Memory"): 1F1B's memory bound, and in
-  the unit-cost model less bubble than ZB-H1 (K=4, M=8: 5.9% against 11.1%).
+The five named schedules, each function's docstring saying how it orders tasks: gpipe (fill,
+drain: Huang et al., 2019); 1f1b (PipeDream-Flush: Narayanan et al., 2021); interleaved (v chunks
+per stage: Megatron-LM, Narayanan et al., 2021); zb-h1 (W split off: Qi et al., 2023, "Zero Bubble
+Pipeline Parallelism"); zb-v (a V of two chunks per stage: Qi et al., 2024, "Pipeline Parallelism
+with Controllable Memory").
 
 A `Schedule` is the task lists with a placement of chunks on stages (loop by default: chunk c on
-stage c % K). `parse` and `format` read and write it as text a person can write, `from_torch` and
-`to_torch` as torch.distributed.pipelining's actions; `check` explains the first thing wrong with
-one, or reports its unit-cost makespan, bubble and the most micro-batches a stage holds.
+stage c % K); `check` explains the first thing wrong with one, or reports its unit-cost makespan,
+bubble and the most micro-batches a stage holds. (lab/schedule_writer.py reads and writes them as text.)
 """
 from __future__ import annotations
 
-import re
 from itertools import accumulate
 from typing import Callable, NamedTuple, Optional
 
@@ -379,68 +370,3 @@ def check(schedule: list[list[Task]], micro_batches: int, checkpoint: str = "exc
     busy = sum(end - start for stage in times for start, end in stage)
     held = [n for tasks in schedule for n in accumulate((t.op == "F") - (t.op == "WB"[not split]) for t in tasks)]
     return Report(makespan, 1 - busy / (stages * makespan), max(held) * share)
-
-
-def parse(text: str) -> Schedule:
-    """A schedule from text, one line of tasks per stage ("stage 0: F0 F1 B0 F2 B1 B2", the label
-    optional): op and micro-batch, then "@chunk" where a stage holds several chunks ("F3@5"), and an
-    optional line "placement: loop", "placement: V" or the stage of each chunk ("placement: 0 1 1 0");
-    without one, chunk c is on the stage that names it. "#" starts a comment. It reads
-    torch.distributed.pipelining's actions too, comma-separated ("1F0": chunk 1, forward, micro-batch
-    0; "I" is a B with W split off), one rank per line."""
-    placement, rows, found = None, [], {}
-    for line in filter(None, (line.split("#")[0].strip() for line in text.splitlines())):
-        head, _, rest = line.rpartition(":")
-        if head.strip().lower() == "placement":
-            placement = rest.split()
-            continue
-        if head and not re.fullmatch(rf"stage\s*{len(rows)}", head.strip(), re.I):
-            raise ValueError(f"{head.strip()!r}: expected 'stage {len(rows)}:' (stages in order) or 'placement:'")
-        row = []
-        for word in rest.replace(",", " ").split():
-            match = re.fullmatch(r"([FRBW])(\d+)(?:@(\d+))?|(\d+)([FIBW])(\d+)", word)
-            if match is None:
-                raise ValueError(f"{word!r} is not a task: expected F, R, B or W, a micro-batch and, where a stage "
-                                 f"holds several chunks, @chunk (F3, B0@5), or a torch action (1F0)")
-            op, micro, chunk = match.group(1, 2, 3) if match[1] else (match[5].replace("I", "B"), match[6], match[4])
-            row.append((op, int(micro), None if chunk is None else int(chunk)))
-            if chunk is not None:
-                found.setdefault(int(chunk), len(rows))
-        rows.append(row)
-    if not rows:
-        raise ValueError("no stages: expected one line of tasks per stage, such as 'stage 0: F0 F1 B0 B1'")
-    if max(found, default=-1) >= sum(map(len, rows)):  # every chunk has tasks: a stray "@99999" lays out nothing
-        raise ValueError(f"chunk {max(found)} is named, but {sum(map(len, rows))} tasks cannot cover so many chunks")
-    count = -(-max(max(found, default=0) + 1, len(rows)) // len(rows)) * len(rows)
-    if placement is None:
-        place = tuple(found.get(c, c % len(rows)) for c in range(count))
-    elif placement in (["loop"], ["V"]):
-        place = (loop if placement == ["loop"] else v_shape)(len(rows), count)
-    elif all(p.isdigit() for p in placement):
-        place = tuple(map(int, placement))
-    else:
-        raise ValueError(f"placement: {' '.join(placement)}: expected 'loop', 'V' or one stage number per chunk")
-    mine = [[c for c, at in enumerate(place) if at == k] for k in range(len(rows))]
-    for k, op, micro in ((k, op, m) for k, row in enumerate(rows) for op, m, c in row if c is None):
-        if len(mine[k]) != 1:
-            raise ValueError(f"{op}{micro} on stage {k} names no chunk, but the stage holds chunks {mine[k]}: "
-                             f"write {op}{micro}@{(mine[k] or [k])[0]}")
-    return Schedule([[Task(op, m, mine[k][0] if c is None else c) for op, m, c in row]
-                     for k, row in enumerate(rows)], place)
-
-
-def format(schedule: list[list[Task]], torch: bool = False) -> str:
-    """The text `parse` reads: a placement line where a stage holds several chunks, then the stages;
-    or, `torch=True`, torch.distributed.pipelining's actions, one rank per row, which have no
-    recompute (a schedule with R's raises: checkpoint inside the stage's module there)."""
-    schedule = schedule if isinstance(schedule, Schedule) else Schedule(schedule)
-    place, stages, split = schedule.placement, len(schedule), any(t.op == "W" for s in schedule for t in s)
-    if torch:
-        for k, task in ((k, t) for k, tasks in enumerate(schedule) for t in tasks if t.op == "R"):
-            raise ValueError(f"stage {k} runs {schedule.label(task)}, a recompute: torch.distributed.pipelining "
-                             f"has no recompute action, so export a schedule made with checkpoint='never'")
-        return "\n".join(",".join(f"{t.chunk}{'I' if split and t.op == 'B' else t.op}{t.micro}" for t in tasks)
-                         for tasks in schedule)
-    named = {v_shape(stages, len(place)): "V", loop(stages, len(place)): "loop"}.get(place, " ".join(map(str, place)))
-    head = [f"placement: {named}"] if len(place) > stages or named != "loop" else []
-    return "\n".join(head + [f"stage {k}: " + " ".join(map(schedule.label, tasks)) for k, tasks in enumerate(schedule)])

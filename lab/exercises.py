@@ -30,7 +30,7 @@ from engine.memory import ActivationLedger
 from engine import schedule as schedules
 from engine.schedule import gpipe
 
-from . import theory
+from . import schedule_writer, theory
 
 # Every known mistake's sentence, by family. A check names the family it recognized in the answer.
 SAYS = {
@@ -838,11 +838,11 @@ def _written(text, name: str, stages: int, micro_batches: int, checkpoint: str =
     refuses it (or its text is not a schedule)."""
     _attempted(text, name)
     if isinstance(text, schedules.Schedule):
-        text = schedules.format(text)
+        text = schedule_writer.format(text)
     if not isinstance(text, str):
         raise Feedback(f"got {type(text).__name__} {text!r:.60}: {SAYS['schedule text']}")
     try:
-        written = schedules.parse(text)
+        written = schedule_writer.parse(text)
     except ValueError as error:
         raise Feedback(f"{error}: {SAYS['schedule text']}") from None
     if len(written) != stages:
@@ -876,10 +876,10 @@ def check_written_1f1b(text) -> str:
 def check_deadlock_fix(text) -> str:
     """FIXED: the schedule BROKEN (K=3, M=4, no recompute) reordered so that it runs, as text."""
     _attempted(text, "FIXED")
-    given = schedules.parse(BROKEN)
+    given = schedule_writer.parse(BROKEN)
     if isinstance(text, str):
         try:
-            tasks = schedules.parse(text)
+            tasks = schedule_writer.parse(text)
         except ValueError:
             tasks = None
         if tasks is not None and len(tasks) == len(given) and any(sorted(a) != sorted(b) for a, b in zip(tasks, given)):

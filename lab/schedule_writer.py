@@ -2,17 +2,18 @@
 one line, the unit-cost diagram and the ideal replay on this host's task times, and a real step
 beside GPipe's with the gradients compared.
 
-The format is engine.schedule's (`parse` / `format`): one line of tasks per stage, "@chunk" where a
-stage holds several chunks, an optional "placement:" line. This module draws on it; only
+The text is `parse`'s and `format`'s: one line of tasks per stage, "@chunk" where a stage holds
+several chunks, an optional "placement:" line; torch.distributed.pipelining's actions as well. Only
 `run_beside_gpipe` needs torch (it loads it when called), so the page can check and draw at once.
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Optional
 
 from engine import schedule as schedules
-from engine.schedule import Report, Schedule
+from engine.schedule import Report, Schedule, Task, loop, v_shape
 from engine.trace import Event, Trace
 
 from .config import RunConfig, micro_batch_count
@@ -23,6 +24,71 @@ TWO_CHUNKS = ("interleaved", "zb-v")  # the presets with two chunks of layers pe
 MAX_CHARS = 100_000                   # the longest text `examine` reads
 
 
+def parse(text: str) -> Schedule:
+    """A schedule from text, one line of tasks per stage ("stage 0: F0 F1 B0 F2 B1 B2", the label
+    optional): op and micro-batch, then "@chunk" where a stage holds several chunks ("F3@5"), and an
+    optional line "placement: loop", "placement: V" or the stage of each chunk ("placement: 0 1 1 0");
+    without one, chunk c is on the stage that names it. "#" starts a comment. It reads
+    torch.distributed.pipelining's actions too, comma-separated ("1F0": chunk 1, forward, micro-batch
+    0; "I" is a B with W split off), one rank per line."""
+    placement, rows, found = None, [], {}
+    for line in filter(None, (line.split("#")[0].strip() for line in text.splitlines())):
+        head, _, rest = line.rpartition(":")
+        if head.strip().lower() == "placement":
+            placement = rest.split()
+            continue
+        if head and not re.fullmatch(rf"stage\s*{len(rows)}", head.strip(), re.I):
+            raise ValueError(f"{head.strip()!r}: expected 'stage {len(rows)}:' (stages in order) or 'placement:'")
+        row = []
+        for word in rest.replace(",", " ").split():
+            match = re.fullmatch(r"([FRBW])(\d+)(?:@(\d+))?|(\d+)([FIBW])(\d+)", word)
+            if match is None:
+                raise ValueError(f"{word!r} is not a task: expected F, R, B or W, a micro-batch and, where a stage "
+                                 f"holds several chunks, @chunk (F3, B0@5), or a torch action (1F0)")
+            op, micro, chunk = match.group(1, 2, 3) if match[1] else (match[5].replace("I", "B"), match[6], match[4])
+            row.append((op, int(micro), None if chunk is None else int(chunk)))
+            if chunk is not None:
+                found.setdefault(int(chunk), len(rows))
+        rows.append(row)
+    if not rows:
+        raise ValueError("no stages: expected one line of tasks per stage, such as 'stage 0: F0 F1 B0 B1'")
+    if max(found, default=-1) >= sum(map(len, rows)):  # every chunk has tasks: a stray "@99999" lays out nothing
+        raise ValueError(f"chunk {max(found)} is named, but {sum(map(len, rows))} tasks cannot cover so many chunks")
+    count = -(-max(max(found, default=0) + 1, len(rows)) // len(rows)) * len(rows)
+    if placement is None:
+        place = tuple(found.get(c, c % len(rows)) for c in range(count))
+    elif placement in (["loop"], ["V"]):
+        place = (loop if placement == ["loop"] else v_shape)(len(rows), count)
+    elif all(p.isdigit() for p in placement):
+        place = tuple(map(int, placement))
+    else:
+        raise ValueError(f"placement: {' '.join(placement)}: expected 'loop', 'V' or one stage number per chunk")
+    mine = [[c for c, at in enumerate(place) if at == k] for k in range(len(rows))]
+    for k, op, micro in ((k, op, m) for k, row in enumerate(rows) for op, m, c in row if c is None):
+        if len(mine[k]) != 1:
+            raise ValueError(f"{op}{micro} on stage {k} names no chunk, but the stage holds chunks {mine[k]}: "
+                             f"write {op}{micro}@{(mine[k] or [k])[0]}")
+    return Schedule([[Task(op, m, mine[k][0] if c is None else c) for op, m, c in row]
+                     for k, row in enumerate(rows)], place)
+
+
+def format(schedule: list[list[Task]], torch: bool = False) -> str:
+    """The text `parse` reads: a placement line where a stage holds several chunks, then the stages;
+    or, `torch=True`, torch.distributed.pipelining's actions, one rank per row, which have no
+    recompute (a schedule with R's raises: checkpoint inside the stage's module there)."""
+    schedule = schedule if isinstance(schedule, Schedule) else Schedule(schedule)
+    place, stages, split = schedule.placement, len(schedule), any(t.op == "W" for s in schedule for t in s)
+    if torch:
+        for k, task in ((k, t) for k, tasks in enumerate(schedule) for t in tasks if t.op == "R"):
+            raise ValueError(f"stage {k} runs {schedule.label(task)}, a recompute: torch.distributed.pipelining "
+                             f"has no recompute action, so export a schedule made with checkpoint='never'")
+        return "\n".join(",".join(f"{t.chunk}{'I' if split and t.op == 'B' else t.op}{t.micro}" for t in tasks)
+                         for tasks in schedule)
+    named = {v_shape(stages, len(place)): "V", loop(stages, len(place)): "loop"}.get(place, " ".join(map(str, place)))
+    head = [f"placement: {named}"] if len(place) > stages or named != "loop" else []
+    return "\n".join(head + [f"stage {k}: " + " ".join(map(schedule.label, tasks)) for k, tasks in enumerate(schedule)])
+
+
 def preset(name: str, stages: int, micro_batches: int, checkpoint: str) -> str:
     """The text of a named schedule at K, M and checkpoint mode, to start editing from (interleaved
     and ZB-V with two chunks per stage); a ValueError, as the engine words it, where it cannot be
@@ -30,7 +96,7 @@ def preset(name: str, stages: int, micro_batches: int, checkpoint: str) -> str:
     if name not in PRESETS:
         raise ValueError(f"preset {name!r}: expected one of {PRESETS}")
     virtual = 2 if name in TWO_CHUNKS else 1
-    return schedules.format(Schedule(schedules.NAMED[name](stages, micro_batches, checkpoint, virtual)))
+    return format(Schedule(schedules.NAMED[name](stages, micro_batches, checkpoint, virtual)))
 
 
 def describe(report: Report) -> str:
@@ -59,7 +125,7 @@ def examine(text: str, micro_batches: int, checkpoint: str) -> Verdict:
         return Verdict(None, None, f"✗ {len(text)} characters: a page takes at most {MAX_CHARS} (ZB-V at K=8, M=64 "
                                    f"is about 26,000)")
     try:
-        schedule = schedules.parse(text)
+        schedule = parse(text)
         report = schedules.check(schedule, micro_batches, checkpoint)
     except ValueError as error:
         return Verdict(None, None, f"✗ {error}")

@@ -11,9 +11,9 @@ from torch import nn
 
 from conftest import grads, mlp
 from engine import GPipe
-from engine.schedule import (NAMED, Schedule, Task, check, format, interleaved, one_f_one_b, parse, v_shape, zb_h1,
-                             zb_v)
+from engine.schedule import NAMED, Schedule, Task, check, interleaved, one_f_one_b, v_shape, zb_h1, zb_v
 from lab.exactness import unpipelined_gradients
+from lab.schedule_writer import format, parse
 
 LOSS = nn.CrossEntropyLoss()
 MODES = ("never", "except_last", "always")
@@ -201,7 +201,7 @@ def test_a_pipe_refuses_a_written_schedule_that_cannot_run():
 
 @pytest.mark.timeout(240)
 def test_written_schedules_on_stage_processes_equal_threads_bitwise():
-    from engine.distributed.pool import ProcessPool
+    from lab.pool import ProcessPool
     torch.manual_seed(1)
     x, y = torch.randn(24, 16, dtype=torch.float64), torch.randint(0, 3, (24,))
     for stages in (2, 3):
@@ -248,7 +248,7 @@ class PerRank(Schedule):
 @pytest.mark.timeout(120)
 def test_a_deadlock_at_run_time_is_reported_on_every_rank_with_the_waits_within_5_s():
     from engine import StageFailed
-    from engine.distributed.pool import ProcessPool
+    from lab.pool import ProcessPool
     torch.manual_seed(1)
     x, y = torch.randn(8, 16), torch.randint(0, 3, (8,))
     pool = ProcessPool(2)
