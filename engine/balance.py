@@ -2,7 +2,8 @@
 from __future__ import annotations
 
 import copy
-from typing import Callable, Sequence
+from itertools import accumulate
+from typing import Sequence
 
 import torch
 from torch import nn
@@ -35,9 +36,7 @@ def solve(costs: Sequence[float], partitions: int) -> list[int]:
     layers = len(costs)
     if isinstance(partitions, bool) or not isinstance(partitions, int) or not 1 <= partitions <= layers:
         raise ValueError(f"partitions={partitions!r}: expected an int between 1 and the {layers} layers")
-    prefix = [0.0]
-    for c in costs:
-        prefix.append(prefix[-1] + c)
+    prefix = [0.0, *accumulate(costs)]
     inf = float("inf")
     # best[k][i]: smallest possible largest stage when the first i layers form k stages
     best = [[inf] * (layers + 1) for _ in range(partitions + 1)]
@@ -94,28 +93,19 @@ def layer_sizes(module: nn.Sequential, sample: Value, param_scale: float = 2.0,
                 count_inputs: bool = True) -> list[float]:
     """Bytes of each layer: activations autograd saves on `sample`, plus param_scale x parameter bytes.
 
-    With `count_inputs=False` a layer's own input is left out when it saves it: in a chain, that
-    input is the previous layer's output and is counted there (or kept by the stage).
+    Each layer is a copy in training mode, fed the previous copy's output. With `count_inputs=False`
+    a layer's own input is left out when it saves it: in a chain, that input is the previous layer's
+    output and is counted there (or kept by the stage).
     """
-    def measure(layer: nn.Module, x: Value):
-        params = list(layer.parameters())
-        ledger = ActivationLedger(params + ([] if count_inputs else list(tensors_of(x))))
-        with ledger.saving():
-            out = layer(x)
-        return ledger.peak + param_scale * sum(p.numel() * p.element_size() for p in params), out
-
-    return _per_layer(module, sample, measure)
-
-
-def _per_layer(module: nn.Sequential, sample: Value, measure: Callable) -> list[float]:
-    """Apply `measure(copy_of_layer, input)` to each layer in turn, feeding outputs forward; the
-    copies are in training mode, as the layers are when a pipeline trains them."""
     check_module(module)
-    devices = [sample.device] if isinstance(sample, torch.Tensor) else [t.device for t in sample]
     costs, x = [], sample
-    with torch.random.fork_rng(devices=[d for d in devices if d.type == "cuda"]):
+    with torch.random.fork_rng(devices=[t.device for t in tensors_of(sample) if t.is_cuda]):
         for layer in module:
-            cost, out = measure(copy.deepcopy(layer).train(), as_leaves(x))
-            costs.append(cost)
+            layer, x = copy.deepcopy(layer).train(), as_leaves(x)
+            params = list(layer.parameters())
+            ledger = ActivationLedger(params + ([] if count_inputs else list(tensors_of(x))))
+            with ledger.saving():
+                out = layer(x)
+            costs.append(ledger.peak + param_scale * sum(p.numel() * p.element_size() for p in params))
             x = detached(out)
     return costs

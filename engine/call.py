@@ -53,10 +53,6 @@ class Call:
     def micro_batches(self) -> int:
         return len(self.sizes)
 
-    @property
-    def seed(self) -> int:
-        return self.decision.seed
-
     @cached_property
     def weights(self) -> list[float]:
         """Each micro-batch's share of the mini-batch: its loss is scaled by it, so the gradients are

@@ -28,7 +28,7 @@ from .device import StageDevice
 from .memory import ActivationLedger
 from .microbatch import Value, as_leaves, detached, rebuild, tensors_of
 from .partition import Partition
-from .rng import StageRandomness
+from .rng import StageRandomness, remove_when_gone
 from .schedule import Task
 from .trace import Event
 from .transport import message_key
@@ -65,7 +65,7 @@ class Chunk:
         me = weakref.ref(self)
         handles = [m.register_forward_hook(partial(_note_output, me)) for m in partition.modules()
                    if any(p is not None for p in m._parameters.values())]
-        weakref.finalize(self, _remove_hooks, handles)
+        remove_when_gone(self, handles)
         self.ledger = ActivationLedger()
         self.randomness = StageRandomness(list(zip(self.layer_ids, partition)))
         self.state = ChunkState()
@@ -89,7 +89,7 @@ class Chunk:
         self.ledger = ledger
         if self.batch_norm is not None:
             self.batch_norm.start_step()
-        self.randomness.start(call.seed)
+        self.randomness.start(call.decision.seed)
         self.call = call
 
     def finish(self) -> None:
@@ -232,8 +232,3 @@ def _note_output(stage: weakref.ref, module: nn.Module, args, output) -> None:
     owner = stage()
     if owner is not None and owner._capture is not None and owner._capture[0] == threading.get_ident():
         owner._capture[1].append((module, output))
-
-
-def _remove_hooks(handles) -> None:
-    for handle in handles:
-        handle.remove()

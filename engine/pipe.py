@@ -37,19 +37,17 @@ class GPipe(nn.Module):
     name puts every stage there, "cuda" spreads them over the visible GPUs; a list names one device
     per stage.
 
-    `pipe.runner` runs each call (the Runner protocol, engine/runner.py). By default every stage is
-    a thread of this process. With `group=` (a torch.distributed process
-    group of K ranks) rank i runs stage i in its own process: every rank builds the same model and
-    calls the same methods; each keeps only its stage's layers (the others' parameters are freed),
-    and `pipe.parameters()` are its stage's; there "cuda" means this rank's GPU, cuda:LOCAL_RANK.
+    `pipe.runner` runs each call (the Runner protocol, engine/runner.py): every stage a thread of
+    this process, or, with `group=` (a torch.distributed group of K ranks), rank i runs stage i in its
+    own process. Every rank builds the same model and calls the same methods; each keeps only its
+    stage's layers, and `pipe.parameters()` are its stage's; "cuda" means cuda:LOCAL_RANK there.
 
-    With `data_parallel=` as well (the group of the ranks that run this same stage in the other
-    pipelines, such as a DeviceMesh's "dp" group, `group` being its "pp" group), D pipelines train as
-    replicas: each first stage reads its own shard of the global batch, and after a step every
-    stage's gradients are those of the mean loss over the whole global batch (an all-reduce with its
-    replicas, started as soon as the stage's last task has run), and `step` returns that mean loss.
-    Replica d numbers its micro-batches from d*M, so `seed=` draws for each sample the dropout mask
-    one pipeline of D*M micro-batches over the global batch would draw (shards of equal size).
+    With `data_parallel=` as well (the ranks that run this stage in the other pipelines, such as a
+    DeviceMesh's "dp" group, `group` being its "pp" group), D pipelines train as replicas: each
+    first stage reads its own shard, every stage's gradients are those of the mean loss over the
+    global batch (an all-reduce, started once the stage's last task ran), and `step` returns that
+    loss. Replica d numbers its micro-batches from d*M, so `seed=` draws the masks one pipeline of
+    D*M micro-batches would.
     """
 
     def __init__(self, module: nn.Sequential, balance: Union[int, Sequence[int]], *,

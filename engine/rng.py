@@ -62,7 +62,7 @@ class StageRandomness(TorchDispatchMode):
             for part in random_parts:
                 handles.append(part.register_forward_pre_hook(lambda *_: _hook(me, entering=True)))
                 handles.append(part.register_forward_hook(lambda *_: _hook(me, entering=False)))
-        weakref.finalize(self, _remove, handles)
+        remove_when_gone(self, handles)
         self._thread: Optional[int] = None  # the worker thread inside run(), for the hooks
         self._depth = 0
         self._key: tuple[int, int] = (0, 0)
@@ -136,9 +136,9 @@ def _hook(randomness: weakref.ref, entering: bool) -> None:
         mode._switch(on=entering)
 
 
-def _remove(handles) -> None:
-    for handle in handles:
-        handle.remove()
+def remove_when_gone(owner, handles: list) -> None:
+    """Remove the hooks `handles` registered on the model's layers once `owner` is garbage-collected."""
+    weakref.finalize(owner, lambda: [handle.remove() for handle in handles])
 
 
 # --- routing each random op to a private generator -------------------------------------------

@@ -143,14 +143,6 @@ class Trace:
                 entry["activations" if m.kind == "act" else "gradients"] += m.bytes
         return [totals[pair] for pair in sorted(totals)]
 
-    @property
-    def communication(self) -> list[float]:
-        """Seconds each stage's thread spent on messages (sending and reading them), not on tasks."""
-        totals = [0.0] * self.stages
-        for m in self.messages:
-            totals[m.stage] += m.duration
-        return totals
-
     def to_records(self) -> list[dict]:
         """The events as a list of plain dicts (stage, micro, op, start, end, device, chunk, host)."""
         return [asdict(e) for e in self.events]
