@@ -1,5 +1,5 @@
 """The README's promises that a test can check: CI runs its test command verbatim, the README stays a
-front door of at most 250 lines, every relative link in README.md and docs/*.md resolves, and the layers
+front door of at most 250 lines, the engine a compact read, every relative link in README.md and docs/*.md resolves, and the layers
 call only downwards."""
 import re
 from pathlib import Path
@@ -42,6 +42,15 @@ def test_ui_layers_only_call_lab_and_engine_knows_no_ui():
 
 
 README_MAX_LINES = 250
+ENGINE_MAX_LINES, CORE_MAX_LINES = 4400, 2450  # engine/, and engine/ without the process path (distributed/)
+
+
+def test_the_engine_stays_a_compact_read():
+    """engine/__init__.py's reading map is a promise that the engine can be read in a sitting."""
+    count = {path: len(path.read_text().splitlines()) for path in (ROOT / "engine").rglob("*.py")}
+    core = sum(n for path, n in count.items() if "distributed" not in path.relative_to(ROOT / "engine").parts)
+    assert sum(count.values()) <= ENGINE_MAX_LINES, f"engine/ has {sum(count.values())} lines"
+    assert core <= CORE_MAX_LINES, f"engine/ without distributed/ has {core} lines"
 
 
 def test_readme_is_a_front_door_of_at_most_250_lines():
