@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import time
 from contextlib import contextmanager
-from dataclasses import astuple, fields as fields_of
+from dataclasses import fields as fields_of
 from typing import Optional
 
 import torch
@@ -123,7 +123,8 @@ class RankRunner:
         """This stage's part of the trace in plain tuples, times from its start (given on rank 0's clock)."""
         messages = [(*m[:6], m[6] - t0, m[7] - t0) for m in self.transport.messages()]
         reductions = [] if pending is None else [(self.ranks.rank, pending.start - t0, pending.end - t0, pending.nbytes)]
-        return (t0 - self.transport.clock_offset, [astuple(e) for e in events], messages, astuple(memory), reductions)
+        rows = [tuple(vars(record).values()) for record in (*events, memory)]  # astuple deep-copies: 10 us a record
+        return (t0 - self.transport.clock_offset, rows[:-1], messages, rows[-1], reductions)
 
     def _end_waves(self, loss: Optional[torch.Tensor], total: int, piece: tuple) -> tuple[Optional[torch.Tensor], int, list]:
         """"end" upstream with the loss, the global batch's size and the trace pieces, then "done" back."""

@@ -188,7 +188,7 @@ class ShmLane:
 
     def post(self, destination: int, step: int, kind: str, micro: int, chunk: int, decision, value) -> None:
         """Copy the payload into a slot, then send the header through the FIFO."""
-        header, tensors = wire.encode(step, kind, micro, chunk, decision, value, inline=False)
+        header, tensors = wire.encode_header(step, kind, micro, chunk, decision, value)
         generation = offset = 0
         if tensors:
             outbox = self._slots.get((destination, kind))
@@ -196,8 +196,7 @@ class ShmLane:
                 outbox = self._slots[(destination, kind)] = _Outbox(f"{self.prefix}{self.rank}to{destination}-{kind}-")
             generation, offset = outbox.place(step, wire.payload_bytes(tensors))
             wire.write_tensors(outbox.segment.view, offset, tensors)
-        record = header.numpy().tobytes()
-        self._write(destination, RECORD.pack(RECORD.size + len(record), generation, offset) + record)
+        self._write(destination, RECORD.pack(RECORD.size + len(header), generation, offset) + header)
 
     def _write(self, destination: int, record: bytes) -> None:
         fd = self._outboxes[destination]
@@ -273,11 +272,10 @@ class ShmLane:
 
     def close(self, step: int) -> None:
         """Say goodbye to every neighbour, close and unmap everything, sweep the pipe's files."""
-        header, _ = wire.encode(step, "bye", 0, 0, wire.NO_DECISION, None)
-        record = header.numpy().tobytes()
+        header, _ = wire.encode_header(step, "bye", 0, 0, wire.NO_DECISION, None)
         for peer, fd in self._outboxes.items():
             try:
-                os.write(fd, RECORD.pack(RECORD.size + len(record), 0, 0) + record)
+                os.write(fd, RECORD.pack(RECORD.size + len(header), 0, 0) + header)
             except OSError as error:
                 if error.errno not in (errno.EPIPE, errno.EAGAIN):
                     raise

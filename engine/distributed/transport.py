@@ -359,9 +359,8 @@ class ProcessTransport:
             raise self._failure from None
         self._traffic[(self.step, "sent", destination)] += 1
         if kind in ("act", "grad"):
-            nbytes = sum(t.numel() * t.element_size() for t in wire.describe(value)[1] if t is not None)
-            self._log.append((self.step, self.ranks.rank, destination, "send", kind, micro, nbytes, start,
-                              time.perf_counter()))
+            self._log.append((self.step, self.ranks.rank, destination, "send", kind, micro, sum(
+                t.numel() * t.element_size() for t in wire.describe(value)[1] if t is not None), start, time.perf_counter()))
 
     def close(self) -> None:
         """Close the lane: its threads, groups or shared memory (every rank calls it)."""
