@@ -23,6 +23,7 @@ from torch import nn
 from engine import GPipe
 from engine.device import cpu_cores
 
+from .breakdown import in_order
 from .host import keep_freed_cpu_memory
 from .models import build_mlp
 from .pool import ProcessPool
@@ -130,8 +131,7 @@ SMALL = dict(width=256, layers=8, batch=64, chunks=8)  # the model a learner's l
 
 
 def run(width: int, layers: int, batch: int, rounds: int, checkpoint: str, pool: ProcessPool,
-        small: dict = SMALL, gloo_pool: ProcessPool = None, sleepy_pool: ProcessPool = None
-        ) -> list[tuple[str, str, str]]:
+        small: dict, gloo_pool: ProcessPool, sleepy_pool: ProcessPool, half_pools: tuple) -> list[tuple[str, str, str]]:
     """Measure every configuration and return the table rows (what, measured, target)."""
     cores = cpu_cores()
     torch.manual_seed(1)
@@ -154,7 +154,7 @@ def run(width: int, layers: int, batch: int, rounds: int, checkpoint: str, pool:
     })
     times = measure(steps, x, y, rounds)
     lanes = {"shared memory": pool, "shared memory, waits asleep": sleepy_pool, "gloo": gloo_pool}
-    small_times, small_traces = measure_small(lanes, small, rounds)
+    small_times, small_traces = measure_small(lanes, small, rounds, half_pools)
     times.update(small_times)
     rate = {name: batch / statistics.median(t) for name, t in times.items() if not name.startswith("small")}
     one_core = "K=1 M=32 1 thread(s)"
@@ -175,6 +175,8 @@ def run(width: int, layers: int, batch: int, rounds: int, checkpoint: str, pool:
          "without the lane's spin before it sleeps (ProcessPool(spin=0))"),
         ("small model: K=2 processes over K=1, gloo", ratio(times, 'small K=2 processes, gloo', 'small K=1'),
          "the lane between hosts, here on loopback"),
+        ("small model: its two halves at once, a process each, no messages (K=1 each) over K=1",
+         ratio(times, 'small halves at once', 'small K=1'), "the host's ceiling for this cut: no lane, no waits"),
         ("small model: K=2 threads over K=1", ratio(times, 'small K=2 threads', 'small K=1'),
          "the interpreter lock: threads of one process barely overlap"),
         ("small model: step at K=1, K=2 threads, K=2 processes (shared memory, gloo)",
@@ -183,6 +185,11 @@ def run(width: int, layers: int, batch: int, rounds: int, checkpoint: str, pool:
                                 "small K=2 processes, gloo")), "medians"),
         ("small model, shared memory: stage-thread time per message", per_message(small_traces["shared memory"]),
          "goal: under 30 us each side; medians over the steps' traces"),
+        ("small model, shared memory: a gap between tasks of a stage with nothing to wait for",
+         gap_parts(small_traces["shared memory"]), "goal: under 20 us; beside the message, the task loop's bookkeeping"),
+        ("small model, shared memory: the step outside its flow of tasks",
+         call_parts(small_traces["shared memory"][1:], times["small K=2 processes, shared memory"]),
+         "the ideal's stages are equal and start at once (traces after the warm-up step)"),
         ("small model, gloo: stage-thread time per message", per_message(small_traces["gloo"]),
          "2 messages per micro-batch and cut"),
         ("ping-pong between two stage processes, one way: 1 float, 8 x 256 floats", ping_pong(lanes),
@@ -203,9 +210,10 @@ def run(width: int, layers: int, batch: int, rounds: int, checkpoint: str, pool:
     ]
 
 
-def measure_small(pools: dict[str, ProcessPool], small: dict, rounds: int):
+def measure_small(pools: dict[str, ProcessPool], small: dict, rounds: int, half_pools: tuple):
     """The small model, where the interpreter lock and the cost of a message decide: K=1, K=2 as
-    threads, K=2 as processes over each lane; and the processes' traces, by lane."""
+    threads, K=2 as processes over each lane, its halves at once in two pools of one stage
+    (halves_at_once); and the processes' traces, by lane."""
     width, layers, batch, chunks = small["width"], small["layers"], small["batch"], small["chunks"]
     x, y = torch.randn(batch, width), torch.randn(batch, width)
     model = build_mlp(layers, width)
@@ -223,8 +231,26 @@ def measure_small(pools: dict[str, ProcessPool], small: dict, rounds: int):
     steps = {"small K=1": engine_step(model, 1, chunks, 1, checkpoint="never"),
              "small K=2 threads": engine_step(model, 2, chunks, 1, checkpoint="never")}
     steps.update({f"small K=2 processes, {lane}": traced(lane) for lane in pools})
+    steps["small halves at once"] = halves_at_once(half_pools, small)
     times = measure(steps, x, y, rounds * 3)  # short steps: more rounds for the same confidence
     return times, traces
+
+
+def halves_at_once(pools: tuple, small: dict) -> Callable:
+    """The small model's ceiling on this host: its two halves trained at once, each as a K=1 pipe in
+    a process of its own, with no data passing between them (the second half's input gradient
+    included). Its step is the slower half's, as that process timed it."""
+    width, layers, chunks = small["width"], small["layers"], small["chunks"]
+    for pool in pools:
+        pool.build("lab.models:build", dict(name="mlp", blocks=layers // 2, width=width), chunks=chunks,
+                   checkpoint="never", threads_per_stage=1)
+    loss_fn = nn.functional.mse_loss
+
+    def step(x, y):
+        middle = torch.randn(x.shape[0], width, requires_grad=True)
+        run_together([lambda: pools[0].step(x, middle.detach(), loss_fn), lambda: pools[1].step(middle, y, loss_fn)])
+        return max(pool.seconds for pool in pools)
+    return step
 
 
 def ping_pong(pools: dict[str, ProcessPool]) -> str:
@@ -233,15 +259,60 @@ def ping_pong(pools: dict[str, ProcessPool]) -> str:
                      for name, pool in pools.items())
 
 
+def median_us(durations) -> float:
+    """The median of durations in seconds, in microseconds."""
+    return statistics.median(durations) * 1e6
+
+
 def per_message(traces: list) -> str:
     """What a message costs the stage threads of a step in processes, next to what a task takes:
     medians over the given traces, in microseconds."""
-    def median_us(durations) -> float:
-        return statistics.median(durations) * 1e6
     sends = [m.end - m.start for t in traces for m in t.messages if m.direction == "send"]
     reads = [m.end - m.start for t in traces for m in t.messages if m.direction == "receive"]
     tasks = [e.end - e.start for t in traces for e in t.events]
     return f"sending {median_us(sends):.0f} us, reading {median_us(reads):.0f} us; a task {median_us(tasks):.0f} us"
+
+
+def unwaited_gaps(trace) -> list[tuple[float, float, float]]:
+    """The stretches between consecutive tasks of a stage in which nothing was waited for (the next
+    task needs no message, or its message was sent before the stretch began), as (length, of it the
+    stage thread's time sending, and reading), in seconds: what is left is the task loop's own
+    bookkeeping (marks, the plan, hooks, Python)."""
+    sent = {(m.peer, m.kind, m.micro): m.end for m in trace.messages if m.direction == "send"}
+    found = []
+    for stage, line in in_order(trace.events).items():
+        spans = [(m.direction, m.start, m.end) for m in trace.messages if m.stage == stage]
+        for before, after in zip(line, line[1:]):
+            if sent.get((stage, "act" if after.op == "F" else "grad", after.micro), 0.0) <= before.end:
+                inside = {way: sum(max(0.0, min(end, after.start) - max(start, before.end))
+                                   for direction, start, end in spans if direction == way) for way in ("send", "receive")}
+                found.append((after.start - before.end, inside["send"], inside["receive"]))
+    return found
+
+
+def gap_parts(traces: list) -> str:
+    """The gaps between consecutive tasks of a stage where nothing was waited for, by what the stage
+    thread did in them (sent a message, read one, neither): the median gap and, in it, the median
+    message time, in microseconds."""
+    gaps = [gap for trace in traces for gap in unwaited_gaps(trace)]
+    groups = {"a send": [(g, s) for g, s, r in gaps if s > 0], "a read": [(g, r) for g, s, r in gaps if r > 0 and s == 0],
+              "neither": [(g, 0.0) for g, s, r in gaps if s == r == 0]}
+    return "; ".join(f"with {name} {median_us([g for g, _ in group]):.0f} us"
+                     + (f" (the message {median_us([m for _, m in group]):.0f})" if name != "neither" else "")
+                     + f", n={len(group)}" for name, group in groups.items() if group)
+
+
+def call_parts(traces: list, seconds: list[float]) -> str:
+    """The small model's step in processes outside the steady flow of tasks: each stage's busy time,
+    when the last stage's first task starts, the end waves and trace after the last task (the trace's
+    wall minus its makespan), and the first stage's time before the call's origin (the step as it
+    timed itself, `seconds`, minus the trace's wall; `seconds[i]` goes with `traces[i]`): medians, us."""
+    stages = 1 + max(e.stage for e in traces[0].events)
+    busy = [median_us([sum(e.duration for e in t.events if e.stage == k) for t in traces]) for k in range(stages)]
+    first = median_us([min(e.start for e in t.events if e.stage == stages - 1) for t in traces])
+    return (f"busy {', '.join(f'{b:.0f}' for b in busy)} us (by stage); the last stage starts at {first:.0f} us; "
+            f"after the last task {median_us([t.wall - t.makespan for t in traces]):.0f} us; "
+            f"before the origin {median_us([s - t.wall for s, t in zip(seconds, traces)]):.0f} us")
 
 
 def format_table(rows: list[tuple[str, str, str]]) -> str:
@@ -270,8 +341,11 @@ def main(argv=None) -> None:
           f"malloc {'keeps freed memory (all rows)' if tuned else 'glibc defaults'}")
     with ProcessPool(2, threads_per_stage=1, keep_freed_memory=tuned) as pool, \
             ProcessPool(2, threads_per_stage=1, keep_freed_memory=tuned, spin=0.0) as sleepy_pool, \
-            ProcessPool(2, threads_per_stage=1, keep_freed_memory=tuned, lane="gloo") as gloo_pool:
-        print(format_table(run(width, layers, batch, rounds, args.checkpoint, pool, small, gloo_pool, sleepy_pool)))
+            ProcessPool(2, threads_per_stage=1, keep_freed_memory=tuned, lane="gloo") as gloo_pool, \
+            ProcessPool(1, threads_per_stage=1, keep_freed_memory=tuned) as first_half, \
+            ProcessPool(1, threads_per_stage=1, keep_freed_memory=tuned) as second_half:
+        print(format_table(run(width, layers, batch, rounds, args.checkpoint, pool, small, gloo_pool, sleepy_pool,
+                               (first_half, second_half))))
 
 
 if __name__ == "__main__":

@@ -1,4 +1,8 @@
-"""The benchmark runs end to end and prints its table (timings themselves are not tested)."""
+"""The benchmark runs end to end and prints its table (timings themselves are not tested); its
+accounting of a step in processes is checked on a trace made by hand."""
+import pytest
+
+from engine.trace import Event, Message, Trace
 from lab import bench
 
 
@@ -6,17 +10,20 @@ def test_quick_benchmark_prints_every_row(capsys):
     bench.main(["--quick"])
     out = capsys.readouterr().out
     rows = [line for line in out.splitlines() if line.startswith("| ") and "---" not in line][1:]
-    assert len(rows) == 20
+    assert len(rows) == 23
+    assert any("two halves at once" in row for row in rows)
     assert any("speedup K=2 over K=1 at M=32" in row for row in rows)
     assert any("ceiling: both halves" in row for row in rows)
     assert any("bare matrix products" in row for row in rows)
     assert any("K=2 processes over K=1 at M=32" in row for row in rows)
     assert any("small model" in row and "K=2 processes over K=1" in row for row in rows)
     timed = [row for row in rows if "small model: step at" in row or "time per message" in row or "ping-pong" in row]
+    accounts = [row for row in rows if "with nothing to wait for" in row or "outside its flow" in row]
+    assert len(accounts) == 2 and "with a send " in accounts[0] and "after the last task " in accounts[1]
     assert len(timed) == 4 and " ms, " in timed[0] and all("sending " in row and "a task " in row for row in timed[1:3])
     assert "shared memory: " in timed[3] and "waits asleep: " in timed[3] and "gloo: " in timed[3]
     for row in rows:
-        if row in timed:
+        if row in timed or row in accounts:
             continue
         value = row.split("|")[2].strip().strip("*")
         first = value.split()[0]
@@ -24,3 +31,30 @@ def test_quick_benchmark_prints_every_row(capsys):
         assert float(first.rstrip("x")) > 0
         if first.endswith("x"):
             assert "(rounds " in value, "a ratio shows its range over the rounds"
+
+
+def hand_made_trace() -> Trace:
+    """Two stages, two micro-batches, times in seconds: stage 0's B1 waits for its gradient (sent at
+    52 ms, after stage 0's F1 ended at 25 ms); stage 0's gap from F0 to F1 holds a 2 ms send, stage
+    1's from F0 to F1 a 1 ms read, its gap from F1 to B1 neither."""
+    events = [Event(0, 0, "F", 0.000, 0.010, "cpu"), Event(0, 1, "F", 0.015, 0.025, "cpu"),
+              Event(1, 0, "F", 0.014, 0.028, "cpu"), Event(1, 1, "F", 0.030, 0.040, "cpu"),
+              Event(1, 1, "B", 0.041, 0.050, "cpu"), Event(0, 1, "B", 0.055, 0.060, "cpu")]
+    messages = [Message(0, 1, "send", "act", 0, 8, 0.010, 0.012), Message(1, 0, "receive", "act", 0, 8, 0.013, 0.014),
+                Message(0, 1, "send", "act", 1, 8, 0.025, 0.027), Message(1, 0, "receive", "act", 1, 8, 0.028, 0.029),
+                Message(1, 0, "send", "grad", 1, 8, 0.050, 0.052), Message(0, 1, "receive", "grad", 1, 8, 0.053, 0.054)]
+    return Trace(stages=2, micro_batches=2, events=events, messages=messages, wall=0.065)
+
+
+def test_unwaited_gaps_leave_out_the_waits_and_count_the_messages_inside():
+    gaps = bench.unwaited_gaps(hand_made_trace())
+    assert gaps == [pytest.approx((0.005, 0.002, 0.0)), pytest.approx((0.002, 0.0, 0.001)),
+                    pytest.approx((0.001, 0.0, 0.0))]  # stage 0's F1 -> B1 is left out: it waited
+    assert bench.gap_parts([hand_made_trace()]) == ("with a send 5000 us (the message 2000), n=1; "
+                                                    "with a read 2000 us (the message 1000), n=1; with neither 1000 us, n=1")
+
+
+def test_call_parts_account_for_busy_time_the_last_stage_start_and_the_ends():
+    said = bench.call_parts([hand_made_trace()], [0.070])
+    assert said == ("busy 25000, 33000 us (by stage); the last stage starts at 14000 us; after the last task "
+                    "5000 us; before the origin 5000 us")
