@@ -66,9 +66,8 @@ def run_tasks(local: LocalStages, work: Iterable[tuple[int, Task]], transport,
             end = chunk.device.mark()
             if settle:
                 chunk.device.settle()
-            if message is not None:  # sent after the end mark: the receiver never starts before it
-                destination, key, value = message
-                transport.send(chunk.index, destination, key, value)
+            if message is not None:  # (destination, key, value), sent after the end mark: the receiver
+                transport.send(chunk.index, *message)  # never starts before it
             marks.append((task, start, end))
             if on_mark is not None:
                 on_mark(stage, task, start, end)

@@ -91,13 +91,12 @@ class RankRunner:
                           live(self.local, on_event), prefix=self.prefix)
         self.local.settle()  # the stage's gradients are written before the replicas sum them
         events = events_of(self.local, marks, on_event)
-        shard = call.decision.batch
+        total = call.decision.batch  # this pipeline's shard of the global batch, until the replicas sum it
         reducing = self.replicas is not None and call.training
-        pending = self.replicas.start(self.local.parameters(), shard) if reducing else None  # overlaps the drain
+        pending = self.replicas.start(self.local.parameters(), total) if reducing else None  # overlaps the drain
         result = self.local.conclude(call)
-        total = shard
         if reducing and self.local.runs_last:
-            result, total = self.replicas.global_loss(result, shard, self.transport.check_failures)
+            result, total = self.replicas.global_loss(result, total, self.transport.check_failures)
         if reducing:
             self.replicas.finish(pending, self.transport.check_failures)
         piece = self._piece(events, t0, self.local.memory(rank), pending)

@@ -203,8 +203,11 @@ class ProcessTransport:
         self.lane.begin()
 
     def agree(self, decision: Optional[Decision]) -> Decision:
-        """The current call's decision: the first stage's own, elsewhere the one its activations brought."""
+        """The call's decision: the first stage's own, elsewhere what the previous stage sent ahead ("call":
+        this one prepares while that one runs, 0.15 ms on the small model) or its first activation brought."""
         self.decision = decision if decision is not None else self._get((self.step, "decision", 0, 0))
+        if self.ranks.rank + 1 < self.ranks.size:
+            self._post(self.ranks.rank + 1, "call", 0, 0, None)
         return self.decision
 
     def receive(self, stage: int, key):
@@ -340,8 +343,8 @@ class ProcessTransport:
 
     def _file(self, arrival: wire.Arrival) -> None:
         header = arrival.header
-        if header.kind == "act" and arrival.peer == self.upstream and header.step > self._decided:
-            self._decided = header.step  # the first activation of a call brings its decision
+        if header.kind in ("call", "act") and arrival.peer == self.upstream and header.step > self._decided:
+            self._decided = header.step  # the call's decision, sent ahead or with its first activation
             self._arrived[(header.step, "decision", 0, 0)] = header.decision
         self._traffic[(header.step, "received", arrival.peer)] += 1
         if header.kind in ("act", "grad"):

@@ -19,7 +19,7 @@ import torch
 from ..call import Decision
 
 FRAME_BYTES = 512 * 1024  # capacity of a preposted receive; larger payloads follow separately
-KINDS = ("act", "grad", "end", "done", "bye")
+KINDS = ("act", "grad", "end", "done", "bye", "call")
 DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.complex64, torch.complex128,
           torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool)
 _FORMS = ("tensor", "tuple", "none")
@@ -123,12 +123,11 @@ def encode(step: int, kind: str, micro: int, chunk: int, decision: Decision, val
     size = len(header) + payload_bytes(present)
     if not inline or size > FRAME_BYTES:
         return torch.frombuffer(bytearray(header), dtype=torch.uint8), [t.detach().contiguous() for t in present]
-    frame = torch.empty(size, dtype=torch.uint8)
-    view = frame.numpy()
+    view = np.empty(size, dtype=np.uint8)
     view[:len(header)] = np.frombuffer(header, dtype=np.uint8)
     view[72] = 1  # word 9, little-endian: the payload is inline
     write_tensors(view, len(header), present)
-    return frame, []
+    return torch.from_numpy(view), []
 
 
 def encode_header(step: int, kind: str, micro: int, chunk: int, decision: Decision, value) -> tuple[bytes, list]:
