@@ -3,6 +3,7 @@
     python -m lab.bench            # full size: 8 x Linear(1024,1024)+ReLU, batch 2048, and the
                                    # small model (8 x Linear(256)+ReLU, batch 64) threads vs processes
     python -m lab.bench --quick    # small sizes, for a smoke run
+    python -m lab.bench --small    # only the small model's rows
 
 Every configuration is timed once per round, round after round, so that a noisy host slows all
 of them alike. Rates are medians over the rounds; a ratio is the median of the per-round ratios.
@@ -130,9 +131,11 @@ def bare_matmuls(width: int, layers: int, batch: int, chunks: int, threads: int)
 SMALL = dict(width=256, layers=8, batch=64, chunks=8)  # the model a learner's laptop runs
 
 
-def run(width: int, layers: int, batch: int, rounds: int, checkpoint: str, pool: ProcessPool,
-        small: dict, gloo_pool: ProcessPool, sleepy_pool: ProcessPool, half_pools: tuple) -> list[tuple[str, str, str]]:
-    """Measure every configuration and return the table rows (what, measured, target)."""
+def run(width: int, layers: int, batch: int, rounds: int, checkpoint: str, small: dict,
+        lanes: dict[str, ProcessPool], half_pools: tuple) -> list[tuple[str, str, str]]:
+    """Measure every configuration and return the table rows (what, measured, target). `lanes`: pools
+    of 2 stages by lane ("shared memory", "shared memory, waits asleep", "gloo"); `half_pools`: two
+    pools of one stage (halves_at_once)."""
     cores = cpu_cores()
     torch.manual_seed(1)
     x, y = torch.randn(batch, width), torch.randn(batch, width)
@@ -143,7 +146,8 @@ def run(width: int, layers: int, batch: int, rounds: int, checkpoint: str, pool:
     steps = dict(single)
     steps.update({
         "K=2 M=32": engine_step(model, 2, 32, 1, checkpoint=checkpoint),
-        "K=2 M=32 processes": process_step(pool, width, layers, 32, checkpoint=checkpoint, threads_per_stage=1),
+        "K=2 M=32 processes": process_step(lanes["shared memory"], width, layers, 32, checkpoint=checkpoint,
+                                           threads_per_stage=1),
         "ceiling": independent_halves(model, width, 32, checkpoint),
         "matmuls 1 thread": bare_matmuls(width, layers, batch, 32, 1),
         "matmuls 2 threads": bare_matmuls(width, layers, batch, 32, 2),
@@ -153,13 +157,10 @@ def run(width: int, layers: int, batch: int, rounds: int, checkpoint: str, pool:
         "dropout seed=0": engine_step(dropout_model, 2, 32, 1, checkpoint=checkpoint, seed=0),
     })
     times = measure(steps, x, y, rounds)
-    lanes = {"shared memory": pool, "shared memory, waits asleep": sleepy_pool, "gloo": gloo_pool}
-    small_times, small_traces = measure_small(lanes, small, rounds, half_pools)
-    times.update(small_times)
-    rate = {name: batch / statistics.median(t) for name, t in times.items() if not name.startswith("small")}
+    measured_small = small_rows(small, rounds, lanes, half_pools)
+    rate = {name: batch / statistics.median(t) for name, t in times.items()}
     one_core = "K=1 M=32 1 thread(s)"
     best = max(single, key=rate.get)
-    shape = f"{small['layers']} x Linear({small['width']})+ReLU, batch {small['batch']}, M={small['chunks']}, no recompute"
     return [
         ("K=1, M=32, one thread (one core)", f"{rate[one_core]:.0f} samples/s", ""),
         ("K=2, M=32, one thread per stage", f"{rate['K=2 M=32']:.0f} samples/s", ""),
@@ -168,6 +169,28 @@ def run(width: int, layers: int, batch: int, rounds: int, checkpoint: str, pool:
          ">= 1.8x (paper: 1.8x on 2 TPUs; ideal 2*32/33 = 1.94x)"),
         ("**speedup K=2 processes over K=1 at M=32**", f"**{ratio(times, 'K=2 M=32 processes', one_core)}**",
          ">= 1.8x"),
+        *measured_small,
+        ("ceiling: both halves on 2 threads, no pipeline", ratio(times, 'ceiling', one_core),
+         "what 2 cores of this host give with no data dependencies"),
+        ("ceiling: the step's bare matrix products on 2 threads vs 1",
+         ratio(times, 'matmuls 2 threads', 'matmuls 1 thread'),
+         "the hardware alone: no autograd, no engine"),
+        (f"best single stage ({best})", f"{rate[best]:.0f} samples/s", ""),
+        ("K=2, M=32 over the best single stage", ratio(times, 'K=2 M=32', best), "reported"),
+        (f"K=1, M=1 engine step vs plain PyTorch, {cores} threads",
+         ratio(times, f'K=1 M=1 {cores} thread(s)', 'plain PyTorch', digits=3), "within 5% (0.95x to 1.05x)"),
+        ("memory ledger on vs off (K=2, M=32)", ratio(times, 'K=2 M=32', 'K=2 M=32 no ledger', digits=3),
+         "cost of tracing memory (1.0 = free)"),
+        ("seed=0 vs seed=None (with dropout, K=2, M=32)", ratio(times, 'dropout seed=0', 'dropout seed=None', digits=3),
+         "cost of seed= (1.0 = free)"),
+    ]
+
+
+def small_rows(small: dict, rounds: int, lanes: dict[str, ProcessPool], half_pools: tuple) -> list[tuple[str, str, str]]:
+    """Measure the small model (measure_small) and return its rows of the table."""
+    times, traces = measure_small(lanes, small, rounds, half_pools)
+    shape = f"{small['layers']} x Linear({small['width']})+ReLU, batch {small['batch']}, M={small['chunks']}, no recompute"
+    return [
         (f"**small model ({shape}): K=2 processes over K=1, shared memory**",
          f"**{ratio(times, 'small K=2 processes, shared memory', 'small K=1')}**", ">= 1.4x"),
         ("small model: K=2 processes over K=1, shared memory, every wait asleep at once",
@@ -183,30 +206,17 @@ def run(width: int, layers: int, batch: int, rounds: int, checkpoint: str, pool:
          ", ".join(f"{statistics.median(times[name]) * 1e3:.1f} ms"
                    for name in ("small K=1", "small K=2 threads", "small K=2 processes, shared memory",
                                 "small K=2 processes, gloo")), "medians"),
-        ("small model, shared memory: stage-thread time per message", per_message(small_traces["shared memory"]),
+        ("small model, shared memory: stage-thread time per message", per_message(traces["shared memory"]),
          "goal: under 30 us each side; medians over the steps' traces"),
         ("small model, shared memory: a gap between tasks of a stage with nothing to wait for",
-         gap_parts(small_traces["shared memory"]), "goal: under 20 us; beside the message, the task loop's bookkeeping"),
+         gap_parts(traces["shared memory"]), "goal: under 20 us; beside the message, the task loop's bookkeeping"),
         ("small model, shared memory: the step outside its flow of tasks",
-         call_parts(small_traces["shared memory"][1:], times["small K=2 processes, shared memory"]),
+         call_parts(traces["shared memory"][1:], times["small K=2 processes, shared memory"]),
          "the ideal's stages are equal and start at once (traces after the warm-up step)"),
-        ("small model, gloo: stage-thread time per message", per_message(small_traces["gloo"]),
+        ("small model, gloo: stage-thread time per message", per_message(traces["gloo"]),
          "2 messages per micro-batch and cut"),
         ("ping-pong between two stage processes, one way: 1 float, 8 x 256 floats", ping_pong(lanes),
          "through the pipe's transport; mean of 2000 round trips"),
-        ("ceiling: both halves on 2 threads, no pipeline", ratio(times, 'ceiling', one_core),
-         "what 2 cores of this host give with no data dependencies"),
-        ("ceiling: the step's bare matrix products on 2 threads vs 1",
-         ratio(times, 'matmuls 2 threads', 'matmuls 1 thread'),
-         "the hardware alone: no autograd, no engine"),
-        (f"best single stage ({best})", f"{rate[best]:.0f} samples/s", ""),
-        ("K=2, M=32 over the best single stage", ratio(times, 'K=2 M=32', best), "reported"),
-        (f"K=1, M=1 engine step vs plain PyTorch, {cores} threads",
-         ratio(times, f'K=1 M=1 {cores} thread(s)', 'plain PyTorch', digits=3), "within 5% (0.95x to 1.05x)"),
-        ("memory ledger on vs off (K=2, M=32)", ratio(times, 'K=2 M=32', 'K=2 M=32 no ledger', digits=3),
-         "cost of tracing memory (1.0 = free)"),
-        ("seed=0 vs seed=None (with dropout, K=2, M=32)", ratio(times, 'dropout seed=0', 'dropout seed=None', digits=3),
-         "cost of seed= (1.0 = free)"),
     ]
 
 
@@ -325,6 +335,7 @@ def format_table(rows: list[tuple[str, str, str]]) -> str:
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="small model and batch: a smoke run, not a measurement")
+    parser.add_argument("--small", action="store_true", help="only the small model's rows (a minute or two)")
     parser.add_argument("--rounds", type=int, default=7, help="timed rounds per configuration (medians are shown)")
     parser.add_argument("--checkpoint", default="except_last", choices=["always", "except_last", "never"])
     parser.add_argument("--default-malloc", action="store_true",
@@ -336,7 +347,8 @@ def main(argv=None) -> None:
     small = dict(width=32, layers=4, batch=16, chunks=4) if args.quick else SMALL
     rounds = 1 if args.quick else args.rounds
     print(f"# engine benchmark: {layers} x (Linear({width},{width}) + ReLU), batch {batch}, "
-          f"checkpoint={args.checkpoint}, {rounds} round(s), median samples/s")
+          f"checkpoint={args.checkpoint}, {rounds} round(s), median samples/s" if not args.small else
+          f"# engine benchmark, the small model only: {rounds} round(s) (x3 for its short steps)")
     print(f"# host: {platform.processor() or platform.machine()}, {cpu_cores()} cores; torch {torch.__version__}; "
           f"malloc {'keeps freed memory (all rows)' if tuned else 'glibc defaults'}")
     with ProcessPool(2, threads_per_stage=1, keep_freed_memory=tuned) as pool, \
@@ -344,8 +356,10 @@ def main(argv=None) -> None:
             ProcessPool(2, threads_per_stage=1, keep_freed_memory=tuned, lane="gloo") as gloo_pool, \
             ProcessPool(1, threads_per_stage=1, keep_freed_memory=tuned) as first_half, \
             ProcessPool(1, threads_per_stage=1, keep_freed_memory=tuned) as second_half:
-        print(format_table(run(width, layers, batch, rounds, args.checkpoint, pool, small, gloo_pool, sleepy_pool,
-                               (first_half, second_half))))
+        lanes, halves = {"shared memory": pool, "shared memory, waits asleep": sleepy_pool, "gloo": gloo_pool}, \
+            (first_half, second_half)
+        print(format_table(small_rows(small, rounds, lanes, halves) if args.small else
+                           run(width, layers, batch, rounds, args.checkpoint, small, lanes, halves)))
 
 
 if __name__ == "__main__":

@@ -58,3 +58,11 @@ def test_call_parts_account_for_busy_time_the_last_stage_start_and_the_ends():
     said = bench.call_parts([hand_made_trace()], [0.070])
     assert said == ("busy 25000, 33000 us (by stage); the last stage starts at 14000 us; after the last task "
                     "5000 us; before the origin 5000 us")
+
+
+def test_small_prints_only_the_small_model_rows(capsys):
+    bench.main(["--quick", "--small"])
+    out = capsys.readouterr().out
+    rows = [line for line in out.splitlines() if line.startswith("| ") and "---" not in line][1:]
+    assert len(rows) == 11 and "the small model only" in out
+    assert all("small model" in row or "ping-pong" in row for row in rows)
