@@ -11,18 +11,22 @@ of them alike. Rates are medians over the rounds; a ratio is the median of the p
 from __future__ import annotations
 
 import argparse
+import multiprocessing
 import platform
 import statistics
 import threading
 import time
 from functools import partial
+from multiprocessing import shared_memory
 from typing import Callable
 
+import numpy as np
 import torch
 from torch import nn
 
 from engine import GPipe
 from engine.device import cpu_cores
+from engine.distributed import wire
 
 from .breakdown import in_order
 from .host import keep_freed_cpu_memory
@@ -217,6 +221,12 @@ def small_rows(small: dict, rounds: int, lanes: dict[str, ProcessPool], half_poo
          "2 messages per micro-batch and cut"),
         ("ping-pong between two stage processes, one way: 1 float, 8 x 256 floats", ping_pong(lanes),
          "through the pipe's transport; mean of 2000 round trips"),
+        (f"small model: reading a message of {small['batch'] // small['chunks']} x {small['width']} floats (header, "
+         f"copy out)", cold_read(small['width'], small['batch'] // small['chunks'], small['layers'] // 2),
+         "Python right after a task runs slower: its data pushed the interpreter's out of the core's caches"),
+        (f"copying {small['batch'] // small['chunks']} x {small['width']} floats out of shared memory",
+         cross_core_copy(4 * small['width'] * (small['batch'] // small['chunks'])),
+         "the payload's own cost of crossing cores; medians of 2000"),
     ]
 
 
@@ -261,6 +271,73 @@ def halves_at_once(pools: tuple, small: dict) -> Callable:
         run_together([lambda: pools[0].step(x, middle.detach(), loss_fn), lambda: pools[1].step(middle, y, loss_fn)])
         return max(pool.seconds for pool in pools)
     return step
+
+
+def cold_read(width: int, rows: int, layers: int, count: int = 2000) -> str:
+    """What the Python of a message costs right after a task, against back to back: reading one
+    (wire.decode_header, then copying the payload out, wire.tensors_in) just after a forward and
+    backward of `layers` x Linear(width)+ReLU on `rows` rows, and again at once (medians, us)."""
+    header, tensors = wire.encode(1, "act", 0, 1, wire.NO_DECISION, torch.randn(rows, width), inline=False)
+    frame, slot = header.numpy(), np.zeros(wire.payload_bytes(tensors), dtype=np.uint8)
+    wire.write_tensors(slot, 0, tensors)
+    model, x = build_mlp(layers, width), torch.randn(rows, width, requires_grad=True)
+
+    def read() -> float:
+        start = time.perf_counter()
+        wire.tensors_in(slot, 0, wire.decode_header(frame))
+        return time.perf_counter() - start
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        cold, warm = [], []
+        for _ in range(count):
+            model(x).sum().backward()
+            cold.append(read())
+            warm.append(read())
+    finally:
+        torch.set_num_threads(previous)
+    return f"{median_us(cold):.0f} us right after a task, {median_us(warm):.0f} us back to back"
+
+
+def _fill(name: str, size: int, count: int, turn) -> None:
+    """cross_core_copy's writer, a process of its own: fill the slot, then hand the turn back."""
+    memory = shared_memory.SharedMemory(name=name)
+    slot, payload = np.ndarray((size,), dtype=np.uint8, buffer=memory.buf), np.arange(size, dtype=np.uint8)
+    for _ in range(count):
+        turn.recv()
+        slot[:] = payload
+        turn.send(None)
+    del slot
+    memory.close()
+
+
+def cross_core_copy(size: int = 8192, count: int = 2000) -> str:
+    """What handing a payload across cores costs by itself: copying `size` bytes out of shared memory
+    that another process (on the other core) has just written, against bytes this one wrote (medians)."""
+    memory = shared_memory.SharedMemory(create=True, size=2 * size)
+    context = multiprocessing.get_context("spawn")
+    mine, theirs = context.Pipe()
+    writer = context.Process(target=_fill, args=(memory.name, size, count, theirs), daemon=True)
+    writer.start()
+    try:
+        view = np.ndarray((2 * size,), dtype=np.uint8, buffer=memory.buf)
+        payload, other, own = np.arange(size, dtype=np.uint8), [], []
+        for _ in range(count):
+            mine.send(None)
+            mine.recv()
+            start = time.perf_counter()
+            view[:size].copy()
+            other.append(time.perf_counter() - start)
+            view[size:] = payload
+            start = time.perf_counter()
+            view[size:].copy()
+            own.append(time.perf_counter() - start)
+        writer.join()
+        del view
+    finally:
+        memory.close()
+        memory.unlink()
+    return f"{median_us(other):.2f} us written by the other process, {median_us(own):.2f} us by this one"
 
 
 def ping_pong(pools: dict[str, ProcessPool]) -> str:

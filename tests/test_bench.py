@@ -10,7 +10,7 @@ def test_quick_benchmark_prints_every_row(capsys):
     bench.main(["--quick"])
     out = capsys.readouterr().out
     rows = [line for line in out.splitlines() if line.startswith("| ") and "---" not in line][1:]
-    assert len(rows) == 23
+    assert len(rows) == 25
     assert any("two halves at once" in row for row in rows)
     assert any("speedup K=2 over K=1 at M=32" in row for row in rows)
     assert any("ceiling: both halves" in row for row in rows)
@@ -18,8 +18,10 @@ def test_quick_benchmark_prints_every_row(capsys):
     assert any("K=2 processes over K=1 at M=32" in row for row in rows)
     assert any("small model" in row and "K=2 processes over K=1" in row for row in rows)
     timed = [row for row in rows if "small model: step at" in row or "time per message" in row or "ping-pong" in row]
-    accounts = [row for row in rows if "with nothing to wait for" in row or "outside its flow" in row]
-    assert len(accounts) == 2 and "with a send " in accounts[0] and "after the last task " in accounts[1]
+    accounts = [row for row in rows if any(what in row for what in ("with nothing to wait for", "outside its flow",
+                                                                      "reading a message", "out of shared memory"))]
+    assert len(accounts) == 4 and "with a send " in accounts[0] and "after the last task " in accounts[1]
+    assert "right after a task" in accounts[2] and "written by the other process" in accounts[3]
     assert len(timed) == 4 and " ms, " in timed[0] and all("sending " in row and "a task " in row for row in timed[1:3])
     assert "shared memory: " in timed[3] and "waits asleep: " in timed[3] and "gloo: " in timed[3]
     for row in rows:
@@ -64,5 +66,5 @@ def test_small_prints_only_the_small_model_rows(capsys):
     bench.main(["--quick", "--small"])
     out = capsys.readouterr().out
     rows = [line for line in out.splitlines() if line.startswith("| ") and "---" not in line][1:]
-    assert len(rows) == 11 and "the small model only" in out
-    assert all("small model" in row or "ping-pong" in row for row in rows)
+    assert len(rows) == 13 and "the small model only" in out
+    assert all("small model" in row or "ping-pong" in row or "floats" in row for row in rows)
