@@ -391,15 +391,16 @@ def gap_parts(traces: list) -> str:
 
 def call_parts(traces: list, seconds: list[float]) -> str:
     """The small model's step in processes outside the steady flow of tasks: each stage's busy time,
-    when the last stage's first task starts, the end waves and trace after the last task (the trace's
-    wall minus its makespan), and the first stage's time before the call's origin (the step as it
-    timed itself, `seconds`, minus the trace's wall; `seconds[i]` goes with `traces[i]`): medians, us."""
+    when the last stage's first task starts, the end waves after the last task (the trace's wall
+    minus its makespan), and the first stage's time outside the trace's wall: planning the call before
+    its origin, then laying out the trace (the step as it timed itself, `seconds`, minus the trace's
+    wall; `seconds[i]` goes with `traces[i]`): medians, in microseconds."""
     stages = 1 + max(e.stage for e in traces[0].events)
     busy = [median_us([sum(e.duration for e in t.events if e.stage == k) for t in traces]) for k in range(stages)]
     first = median_us([min(e.start for e in t.events if e.stage == stages - 1) for t in traces])
     return (f"busy {', '.join(f'{b:.0f}' for b in busy)} us (by stage); the last stage starts at {first:.0f} us; "
             f"after the last task {median_us([t.wall - t.makespan for t in traces]):.0f} us; "
-            f"before the origin {median_us([s - t.wall for s, t in zip(seconds, traces)]):.0f} us")
+            f"planning and the trace {median_us([s - t.wall for s, t in zip(seconds, traces)]):.0f} us")
 
 
 def format_table(rows: list[tuple[str, str, str]]) -> str:

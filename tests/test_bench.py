@@ -59,7 +59,7 @@ def test_unwaited_gaps_leave_out_the_waits_and_count_the_messages_inside():
 def test_call_parts_account_for_busy_time_the_last_stage_start_and_the_ends():
     said = bench.call_parts([hand_made_trace()], [0.070])
     assert said == ("busy 25000, 33000 us (by stage); the last stage starts at 14000 us; after the last task "
-                    "5000 us; before the origin 5000 us")
+                    "5000 us; planning and the trace 5000 us")
 
 
 def test_small_prints_only_the_small_model_rows(capsys):
