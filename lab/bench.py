@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import multiprocessing
+import os
 import platform
 import statistics
 import threading
@@ -299,8 +300,9 @@ def cold_read(width: int, rows: int, layers: int, count: int = 2000) -> str:
     return f"{median_us(cold):.0f} us right after a task, {median_us(warm):.0f} us back to back"
 
 
-def _fill(name: str, size: int, count: int, turn) -> None:
-    """cross_core_copy's writer, a process of its own: fill the slot, then hand the turn back."""
+def _fill(name: str, size: int, count: int, turn, core: int) -> None:
+    """cross_core_copy's writer, a process of its own on `core`: fill the slot, then hand the turn back."""
+    os.sched_setaffinity(0, {core})
     memory = shared_memory.SharedMemory(name=name)
     slot, payload = np.ndarray((size,), dtype=np.uint8, buffer=memory.buf), np.arange(size, dtype=np.uint8)
     for _ in range(count):
@@ -313,12 +315,17 @@ def _fill(name: str, size: int, count: int, turn) -> None:
 
 def cross_core_copy(size: int = 8192, count: int = 2000) -> str:
     """What handing a payload across cores costs by itself: copying `size` bytes out of shared memory
-    that another process (on the other core) has just written, against bytes this one wrote (medians)."""
+    that another process, held on another core, has just written, against bytes this one wrote
+    (medians; this process is held on its own core meanwhile)."""
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < 2:
+        return "needs 2 cores"
     memory = shared_memory.SharedMemory(create=True, size=2 * size)
     context = multiprocessing.get_context("spawn")
     mine, theirs = context.Pipe()
-    writer = context.Process(target=_fill, args=(memory.name, size, count, theirs), daemon=True)
+    writer = context.Process(target=_fill, args=(memory.name, size, count, theirs, cores[1]), daemon=True)
     writer.start()
+    os.sched_setaffinity(0, {cores[0]})
     try:
         view = np.ndarray((2 * size,), dtype=np.uint8, buffer=memory.buf)
         payload, other, own = np.arange(size, dtype=np.uint8), [], []
@@ -335,6 +342,7 @@ def cross_core_copy(size: int = 8192, count: int = 2000) -> str:
         writer.join()
         del view
     finally:
+        os.sched_setaffinity(0, cores)
         memory.close()
         memory.unlink()
     return f"{median_us(other):.2f} us written by the other process, {median_us(own):.2f} us by this one"
