@@ -156,11 +156,12 @@ def test_a_fresh_server_draws_a_chart_at_once_and_measures_what_a_script_measure
     gets from the server's cache: a cold server (torch loading, stage processes starting) must not
     hold the page back, as it did by 9-10 s when every chart waited for them. Right after each start
     `python -m lab.reproduce transports --stages-as processes` measures the same setting from a
-    script: the page's median step time and speedup differ from the script's medians by no more than
-    the larger of the two spreads over their rounds (with the script's spread alone, the same test
-    failed on the code of the start of this session too: this host's speed drifts between the
-    page's rounds and the script's, run a minute apart). Each start's speedup shown is above 1: two
-    stages on two cores beat one. The goal of 1.6x is a benchmark's to report
+    script: the page's median speedup differs from the script's by no more than the larger of the two
+    spreads over their rounds. The speedup is a ratio of times measured side by side, so a host whose
+    speed drifts between the page's rounds and the script's, run a minute apart, moves it little; an
+    absolute step time it moves more (CI: the page 222 ms, the script 199 ms a minute later, while
+    their speedups read 1.74x and 1.80x), so the step times may also differ by 15 %. Each start's
+    speedup shown is above 1: two stages on two cores beat one. The goal of 1.6x is a benchmark's to report
     (`python -m lab.reproduce transports`), not this test's: CI's 2-core host showed medians of
     1.32x, 1.18x and 1.65x in one run while a script beside them measured 1.44x, 1.38x and 1.23x,
     so the host's speed, not the page, sets the figure. The metrics are readable
@@ -198,7 +199,8 @@ def test_a_fresh_server_draws_a_chart_at_once_and_measures_what_a_script_measure
     for shown, script in zip(pages, scripts):
         for label in shown:
             (median, low, high), (mine, least, most) = script[label], shown[label]
-            assert abs(mine - median) <= max(high - low, most - least), \
+            drift = 0.15 * median if label == "step time" else 0
+            assert abs(mine - median) <= max(high - low, most - least, drift), \
                 f"{label}: the page shows {shown[label]}, a script measured {script[label]} (median, lowest, highest)"
     speedups = [shown["speedup over K=1"][0] for shown in pages]
     assert min(speedups) > 1, f"speedup over K=1 on first load: {speedups}"
