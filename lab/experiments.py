@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import os
 import statistics
-from contextlib import contextmanager, nullcontext
+from contextlib import ExitStack, contextmanager, nullcontext
 from dataclasses import asdict, dataclass, field
 from typing import Callable, Iterable, Iterator, Optional, Union
 
@@ -227,6 +227,31 @@ def run(config: RunConfig, on_event: Optional[Callable] = None, replay: Union[bo
         baseline_events=singles[len(singles) // 2].to_records() if singles else [])
 
 
+def side_by_side(configs: dict[str, RunConfig], rounds: int = 5, warmup: int = 1) -> dict[str, list[Trace]]:
+    """Steps of several configurations measured in the same rounds: each round runs one step of
+    each, in turn, so that a busy moment of the host falls on all of them alike (lab.verdict judges
+    the rounds). Name -> the traces of its measured steps, round by round. Threads only, so that no
+    configuration waits for the shared stage processes."""
+    if rounds < 1:
+        raise ValueError(f"rounds={rounds}: expected at least one round")
+    with ExitStack() as stack:
+        steppers = {}
+        for name, config in configs.items():
+            check(config)
+            if config.transport != "threads":
+                raise ValueError(f"{name}: transport={config.transport!r}; side_by_side runs stages as threads")
+            model, batch, loss_fn = build(config)
+            steppers[name] = (stack.enter_context(stepper_for(config, choose_balance(config, model, batch[0]), model)),
+                              batch, loss_fn)
+        traces: dict[str, list[Trace]] = {name: [] for name in configs}
+        for number in range(warmup + rounds):
+            for name, (stepper, (inputs, targets), loss_fn) in steppers.items():
+                trace = stepper.step(inputs, targets, loss_fn)[1]
+                if number >= warmup:
+                    traces[name].append(trace)
+        return traces
+
+
 @contextmanager
 def stepper_for(config: RunConfig, balance: list[int], model: Optional[nn.Sequential] = None,
                 on_wait: Optional[Callable] = None, optimizer: Optional[tuple[str, dict]] = None,
@@ -289,17 +314,18 @@ def solo_run(config: RunConfig, balance: list[int]) -> list[dict]:
         pipe.close()
 
 
-def solo_events(pipe: GPipe, inputs, targets, loss_fn, repeats: int = 2) -> list[dict]:
-    """Task times measured one at a time (serial steps); each task keeps its shortest time over
-    `repeats` steps, since noise on a shared host only ever adds time."""
-    best: dict = {}
+def solo_events(pipe: GPipe, inputs, targets, loss_fn, repeats: int = 5) -> list[dict]:
+    """Task times measured one at a time (serial steps); each task keeps its median time over
+    `repeats` steps (at least 5), so that neither one preempted timing nor one lucky one sets it."""
+    if repeats < 5:
+        raise ValueError(f"repeats={repeats}: expected at least 5 serial steps, so that a median means something")
+    timings: dict = {}
     for _ in range(repeats):
         pipe.step(inputs, targets, loss_fn, serial=True)
         for event in pipe.trace.to_records():
-            key = (event["chunk"], event["op"], event["micro"])
-            if key not in best or event["end"] - event["start"] < best[key]["end"] - best[key]["start"]:
-                best[key] = event
-    return sorted(best.values(), key=lambda e: e["start"])
+            timings.setdefault((event["chunk"], event["op"], event["micro"]), []).append(event)
+    middle = [sorted(events, key=lambda e: e["end"] - e["start"])[len(events) // 2] for events in timings.values()]
+    return sorted(middle, key=lambda e: e["start"])
 
 
 def predicted_activation_bytes(config: RunConfig, model: nn.Sequential, inputs, balance: list[int]) -> list[float]:

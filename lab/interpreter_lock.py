@@ -42,7 +42,8 @@ def python_in_parallel(count: int = 5_000_000, rounds: int = 5) -> dict:
     about 1 for processes when the host has 2 free cores (the cores this process may use are
     reported too). The three run one after the other in each of `rounds` rounds, and each figure
     is its best (shortest) round: a busy moment of a shared host only ever slows a run (measured
-    here: a single round of processes at 1.8x alone), while threads take turns in every round."""
+    here: a single round of processes at 1.8x alone), while threads take turns in every round.
+    "rounds" keeps each round's seconds in 2 threads and in 2 processes, for lab.verdict."""
     spin(count // 10)  # warm-up
     workers = Children(spinner, [()] * 2, name="spinner", timeout=120)
     try:
@@ -52,7 +53,8 @@ def python_in_parallel(count: int = 5_000_000, rounds: int = 5) -> dict:
         workers.close()
     alone, in_threads, in_processes = (min(m[i] for m in measured) for i in range(3))
     return {"cores": cpu_cores(), "alone (s)": alone, "2 threads (s)": in_threads, "2 processes (s)": in_processes,
-            "2 threads / alone": in_threads / alone, "2 processes / alone": in_processes / alone}
+            "2 threads / alone": in_threads / alone, "2 processes / alone": in_processes / alone,
+            "rounds": {"2 threads": [m[1] for m in measured], "2 processes": [m[2] for m in measured]}}
 
 
 def _one_round(count: int, workers: Children) -> tuple[float, float, float]:

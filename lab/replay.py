@@ -18,7 +18,6 @@ from engine.trace import Event, Message, Reduction, Trace
 from . import theory
 
 
-
 @dataclass(frozen=True)
 class Timeline:
     """The tasks of one step as an engine Trace (which derives makespan, busy time and bubble),
@@ -47,6 +46,17 @@ class Timeline:
     @property
     def bubble(self) -> float:
         return self.trace.bubble
+
+    @property
+    def work(self) -> float:
+        """The tasks' time added up: how long one device would take to run them one after another."""
+        return sum(e.end - e.start for e in self.trace.events)
+
+    @property
+    def over_one_device(self) -> float:
+        """The work over the makespan: the speedup of these K stages over one device running the same
+        tasks. On a mean-cost replay it depends only on the schedule and the ops' cost ratios."""
+        return self.work / self.makespan
 
     @property
     def messages(self) -> list[Message]:
@@ -86,14 +96,17 @@ def ideal_replay(events: list[dict], stages: int, micro_batches: int, checkpoint
 
 
 def unit_cost(stages: int, micro_batches: int, checkpoint: str = "never", costs: Optional[dict] = None,
-           schedule: str = "gpipe", virtual: int = 1) -> Timeline:
+              schedule: str = "gpipe", virtual: int = 1, label: Optional[str] = None) -> Timeline:
     """The textbook diagram with unit costs (a stage's forward 1, backward 2, recompute 1; with
     zb-h1 the backward splits into B 1 and W 1; an interleaved chunk does 1/v of it), for any
-    schedule of the engine."""
+    schedule of the engine. Given `costs` (op -> seconds, e.g. `mean_costs` of a record) and a
+    `label`, the same diagram in seconds: every stage equal, each op at that cost."""
+    if costs is not None and label is None:
+        raise ValueError("costs given without a label: say what they are (e.g. 'GPipe's mean task times')")
+    unit = "time units" if costs is None else "s"
     costs = costs or theory.unit_costs(schedule, virtual)
-    label = "theory (unit costs)" if schedule == "gpipe" else f"theory (unit costs), {schedule}"
-    return _laid_out(stages, micro_batches, checkpoint, lambda k, task: costs[task.op], label, "time units",
-                     schedule, virtual)
+    label = label or ("theory (unit costs)" if schedule == "gpipe" else f"theory (unit costs), {schedule}")
+    return _laid_out(stages, micro_batches, checkpoint, lambda k, task: costs[task.op], label, unit, schedule, virtual)
 
 
 def of_record(record, view: str) -> Timeline:
@@ -113,21 +126,34 @@ def of_record(record, view: str) -> Timeline:
     raise ValueError(f"unknown view {view!r}; expected 'measured', 'ideal replay' or 'theory'")
 
 
+def mean_costs(record, per_stage: bool = False) -> dict:
+    """The mean time of each op over the record's tasks timed alone (or as measured): keyed by op,
+    or with `per_stage` by (chunk, op)."""
+    totals: dict = {}
+    for e in record.solo_events or record.events:
+        key = (e.get("chunk", e["stage"]), e["op"]) if per_stage else e["op"]
+        total, count = totals.get(key, (0.0, 0))
+        totals[key] = (total + e["end"] - e["start"], count + 1)
+    return {key: total / count for key, (total, count) in totals.items()}
+
+
 def with_mean_costs(record, per_stage: bool) -> Timeline:
     """The ideal replay of a record with every task taking the mean measured time of its op: each
     stage's own mean (`per_stage`: differences between stages kept, task-to-task jitter gone) or
     one mean over all stages (the stages made equal). Comparing the two with the plain replay
-    tells which of the two makes a bubble exceed (K-1)/(M+K-1)."""
-    config, events = record.config, record.solo_events or record.events
-    totals: dict = {}
-    for e in events:
-        key = (e.get("chunk", e["stage"]) if per_stage else None, e["op"])
-        total, count = totals.get(key, (0.0, 0))
-        totals[key] = (total + e["end"] - e["start"], count + 1)
-    mean = {key: total / count for key, (total, count) in totals.items()}
+    tells which of the two makes a bubble exceed (K-1)/(M+K-1). Claims that must hold on any host
+    are judged on these: with equal stages the bubble depends only on the schedule and the ops'
+    cost ratios."""
+    mean = mean_costs(record, per_stage)
     label = "ideal replay, each stage's mean task times" if per_stage else "ideal replay, all stages' mean task times"
-    return _laid_out(record.stages, record.micro_batches, config["checkpoint"],
-                     lambda k, task: mean[(task.chunk if per_stage else None, task.op)], label, "s",
+    return with_costs(record, lambda k, task: mean[(task.chunk, task.op) if per_stage else task.op], label)
+
+
+def with_costs(record, cost, label: str, unit: str = "s") -> Timeline:
+    """The record's schedule laid out with `cost(stage, task)` as each task's duration: measured
+    means, or counts (FLOPs, operator calls) whose replay is the same on every host."""
+    config = record.config
+    return _laid_out(record.stages, record.micro_batches, config["checkpoint"], cost, label, unit,
                      config["schedule"], config.get("virtual_stages", 1))
 
 

@@ -176,6 +176,9 @@ class Cell:
     # on any host (with replay_all): what claims about scaling are checked on
     gpu_ratio: Optional[float] = None  # on GPUs: the lowest stage's GPU time over host time per task
     threads_vs_same_m: Optional[float] = None  # on GPUs, a cell measured with processes: threads' speedup beside
+    equal_stages: Optional[float] = None  # with replay_all: the replay with every op at its mean time (stages made
+    # equal) over one device running the same tasks; it depends only on the schedule and the ops' cost
+    # ratios, so claims about the shape of the table are judged on it on any host
 
     @property
     def label(self) -> str:
@@ -258,7 +261,8 @@ def measure_table(base: RunConfig, stages: Iterable[int] = (1, 2, 4, 8), micro: 
                     threads = beside.samples_per_second / single[(m, "measured")]
                 yield Cell(k, m, rate, rate / single[(first, norm)], rate / single[(m, norm)], how, bubble, transport,
                            rate / pair[norm] if norm in pair else None,
-                           replayed / single[(m, "ideal replay")] if replay_all else None, cell_ratio(record), threads)
+                           replayed / single[(m, "ideal replay")] if replay_all else None, cell_ratio(record), threads,
+                           replay.with_mean_costs(record, per_stage=False).over_one_device if replay_all else None)
 
 
 def table(base: RunConfig, stages: Iterable[int] = (1, 2, 4, 8), micro: Iterable[int] = (1, 4, 32),
