@@ -14,3 +14,23 @@ def children(pid):
             if int(fields[1]) == pid and fields[0] != "Z":
                 found.append(int(entry.name))
     return found
+
+
+def shm_prefix() -> str:
+    """A prefix of this test's own for the pipes' files in /dev/shm (GPIPE_SHM_PREFIX), so that what
+    it checks there is its own, whatever else runs on the host."""
+    import uuid
+    return f"gpipe-test{uuid.uuid4().hex[:10]}"
+
+
+def shm_left(prefix: str, wait: float = 10.0) -> list[str]:
+    """The files in /dev/shm whose names start with `prefix`, once they are gone or `wait` seconds
+    have passed (a stage process may still be closing)."""
+    import os
+    import time
+    deadline = time.monotonic() + wait
+    while True:
+        left = sorted(name for name in os.listdir("/dev/shm") if name.startswith(prefix))
+        if not left or time.monotonic() >= deadline:
+            return left
+        time.sleep(0.2)

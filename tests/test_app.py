@@ -150,7 +150,8 @@ def test_micro_batches_that_torch_chunk_cannot_make_are_explained(app):
     assert any("into 4 micro-batches, not M=8" in w.value for w in app.warning)
 
 
-def test_more_stages_than_cores_points_to_the_replay(app):
+def test_more_stages_than_cores_points_to_the_replay(app, monkeypatch):
+    monkeypatch.setenv("GPIPE_LAB_DEVICES", "2")  # a 2-core host, whatever this one has
     app.run()
     small(app, stages=8, micro=8, blocks=8, view="ideal replay")
     assert not app.exception
@@ -159,7 +160,8 @@ def test_more_stages_than_cores_points_to_the_replay(app):
     assert spec["layout"]["title"]["text"].startswith("ideal replay of tasks timed alone")
 
 
-def test_sweeps_fill_the_bubble_curve_and_the_speedup_table(app):
+def test_sweeps_fill_the_bubble_curve_and_the_speedup_table(app, monkeypatch):
+    monkeypatch.setenv("GPIPE_LAB_DEVICES", "2")  # a 2-core host, whatever this one has
     app.run()
     small(app, batch=32, blocks=8)
     app.button(key="measure_bubble").click().run()
@@ -175,7 +177,7 @@ def test_sweeps_fill_the_bubble_curve_and_the_speedup_table(app):
                                    "model with recompute (vs its K=2, M=1)", "ideal without recompute K*M/(M+K-1)",
                                    "this host vs K=2, M=1", "this host vs one device (K=1, M=1)", "how"]
     assert set(table["how"]) <= {"measured (threads)", "measured (processes)", "ideal replay"}
-    assert set(table.loc[table["K"] > 2, "how"]) == {"ideal replay"}  # this host has 2 cores
+    assert set(table.loc[table["K"] > 2, "how"]) == {"ideal replay"}  # more stages than the 2 devices
 
 
 @pytest.mark.parametrize("transport", ["threads", "processes"])
@@ -220,25 +222,46 @@ def test_a_dead_stage_process_is_a_clear_error_and_the_next_run_rebuilds(app):
     assert processes.current().alive
 
 
-def test_a_session_that_finds_the_stage_processes_busy_waits_and_says_so(app):
+def test_a_session_that_finds_the_stage_processes_busy_waits_and_says_so(app, monkeypatch):
+    """The other session lets go of the stage processes only once this one has found them taken (its
+    try for the turn failed), so the test sees the wait whatever the host's speed."""
     import threading
     from lab import processes
     app.run()
     small(app, stages=2, micro=4, transport="processes")
-    holding, release = threading.Event(), threading.Event()
+    holding, tried = threading.Event(), threading.Event()
+
+    class Watched:
+        """The pool's turn, telling `tried` when a run finds it taken."""
+
+        def __init__(self, lock):
+            self.lock = lock
+
+        def acquire(self, blocking=True, timeout=-1):
+            got = self.lock.acquire(blocking, timeout)
+            if not got and not blocking:
+                tried.set()
+            return got
+
+        def release(self):
+            self.lock.release()
+
+        def locked(self):
+            return self.lock.locked()
+
+    monkeypatch.setattr(processes, "_turn", Watched(processes._turn))
 
     def other_session():
         with processes.pool_for(2):
             holding.set()
-            release.wait(30)
+            tried.wait(60)
 
     other = threading.Thread(target=other_session)
     other.start()
     holding.wait(30)
-    threading.Timer(1.0, release.set).start()
     small(app, stages=2, micro=3, transport="processes")  # a new setting: this session runs it now, and waits
     other.join()
-    assert not app.exception and not app.error
+    assert tried.is_set() and not app.exception and not app.error
     assert any("waited its turn" in c.value and "another session" in c.value for c in app.caption)
 
 

@@ -1,5 +1,4 @@
 """Behaviours users of torchgpipe and of plain nn.BatchNorm expect from a pipeline."""
-import time
 
 import pytest
 import torch
@@ -181,9 +180,8 @@ def test_extra_positional_arguments_are_a_clear_type_error(batch):
     model = mlp()
     model[0].register_forward_hook(lambda *args: calls.append(1))
     pipe = GPipe(model, 2, chunks=2)
-    start = time.perf_counter()
     with pytest.raises(TypeError, match=r"one input value, got 2 positional arguments.*pipe\(\(a, b\)\)"):
         pipe(x, x)
     with pytest.raises(TypeError, match="positional"):
         pipe.step(x, y, LOSS, print)
-    assert calls == [] and time.perf_counter() - start < 1
+    assert calls == [], "refused before any layer ran"

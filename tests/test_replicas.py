@@ -15,6 +15,7 @@ from engine import GPipe
 from engine.distributed.replicas import buckets
 from lab.launch import two_nodes
 from conftest import mlp
+from launch import shm_left, shm_prefix
 
 ROOT = Path(__file__).resolve().parent.parent
 REPLICAS = str(ROOT / "tests" / "distributed_replicas.py")
@@ -74,30 +75,29 @@ def test_an_exception_in_one_replica_is_raised_on_all_four_ranks_within_5_second
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("nodes", [1, 2])
 def test_a_killed_rank_is_raised_by_the_other_three_within_15_seconds(tmp_path, nodes):
-    before = sorted(os.listdir("/dev/shm"))
+    prefix = shm_prefix()
+    env = {"GPIPE_FAULTS_OUT": str(tmp_path), "GPIPE_SHM_PREFIX": prefix}
     # torchrun would stop an agent's other workers once it sees one die: it looks only every 30 s
     # here, so what is measured is how soon the engine itself tells the survivors
     slow_agent = ("--monitor-interval", "30")
     if nodes == 1:
-        until_reported(["--standalone", "--nproc-per-node", "4", *slow_agent, REPLICAS, "kill"], tmp_path)
+        until_reported(["--standalone", "--nproc-per-node", "4", *slow_agent, REPLICAS, "kill"], env)
     else:  # two torchrun agents of two processes each, meeting on loopback as two hosts would
-        two_nodes([REPLICAS, "kill"], "replicas-kill", timeout=90, per_node=2, env={"GPIPE_FAULTS_OUT": str(tmp_path)},
+        two_nodes([REPLICAS, "kill"], "replicas-kill", timeout=90, per_node=2, env=env,
                   done=lambda: len(outcomes_or_none(tmp_path)) == 3, agent_args=slow_agent)
     failed_at, raised = outcomes(reports_in(tmp_path))
     assert sorted(raised) == [0, 1, 2], raised
     assert all(r["raised"] == "StageFailed" for r in raised.values()), raised
     assert max(r["at"] for r in raised.values()) - failed_at < 15
-    deadline = time.monotonic() + 10
-    while sorted(os.listdir("/dev/shm")) != before and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert sorted(os.listdir("/dev/shm")) == before, "nothing of the pipes stays in /dev/shm"
+    assert shm_left(prefix) == [], "nothing of the pipes stays in /dev/shm"
 
 
-def until_reported(args: list[str], folder: Path, timeout: float = 90) -> None:
-    """Run torchrun until three ranks reported an outcome (or `timeout`), then stop it and its workers."""
+def until_reported(args: list[str], env: dict, timeout: float = 90) -> None:
+    """Run torchrun with `env` added until three ranks reported an outcome in env's GPIPE_FAULTS_OUT
+    (or `timeout`), then stop it and its workers."""
+    folder = Path(env["GPIPE_FAULTS_OUT"])
     agent = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", *args], cwd=ROOT, start_new_session=True,
-                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                             env={**os.environ, "GPIPE_FAULTS_OUT": str(folder)})
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env={**os.environ, **env})
     try:
         deadline = time.monotonic() + timeout
         while len(outcomes_or_none(folder)) < 3 and agent.poll() is None and time.monotonic() < deadline:

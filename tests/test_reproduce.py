@@ -14,13 +14,14 @@ def read_csv(path):
         return list(csv.DictReader(f))
 
 
-def test_speedup_quick_writes_labelled_tables(tmp_path, capsys):
+def test_speedup_quick_writes_labelled_tables(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("GPIPE_LAB_DEVICES", "2")  # a 2-core host, whatever this one has
     code = reproduce.main(["speedup", "--quick", "--stages", "1", "2", "4", "--micro-batches", "1", "4",
                            "--out", str(tmp_path)])
     assert code == 0
     rows = read_csv(tmp_path / "speedup.csv")
     assert [(r["K"], r["M"]) for r in rows] == [("1", "1"), ("2", "1"), ("4", "1"), ("1", "4"), ("2", "4"), ("4", "4")]
-    assert {r["how"] for r in rows if r["K"] in ("1", "2")} == {"measured (threads)"}   # 2 cores: one per stage
+    assert {r["how"] for r in rows if r["K"] in ("1", "2")} == {"measured (threads)"}   # 2 devices: one per stage
     assert {r["how"] for r in rows if r["K"] == "4"} == {"ideal replay"}
     assert all(float(r["speedup vs K=1, same M"]) > 0 for r in rows)
     assert [r["speedup vs K=1, same M"] for r in rows if r["K"] == "1"] == ["1.0", "1.0"]

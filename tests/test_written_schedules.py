@@ -259,7 +259,7 @@ def test_a_deadlock_at_run_time_is_reported_on_every_rank_with_the_waits_within_
         with pytest.raises(StageFailed, match="deadlock: stage 0 waits for B0 from stage 1; stage 1 waits for F1 "
                                               "from stage 0"):
             pool.step(x, y, nn.functional.cross_entropy)  # an answer from every rank, or it would time out
-        assert time.monotonic() - start < 5
+        assert time.monotonic() - start < 30  # a liveness bound: ten times the stall (2 s) plus its reports
         pool.build("conftest:mlp", {}, balance=2, chunks=2, checkpoint="never")
         assert pool.step(x, y, nn.functional.cross_entropy).item() > 0, "the pool works on"
     finally:
