@@ -28,11 +28,16 @@ def pinned(value: Value, devices) -> Value:
 
 
 def cpu_cores() -> int:
-    """Cores this process may run on."""
+    """Cores this process may run on: its CPU affinity, capped by a cgroup v2 CPU quota (cpu.max)."""
     try:
-        return len(os.sched_getaffinity(0))
+        cores = len(os.sched_getaffinity(0))
     except AttributeError:  # not on Linux
-        return os.cpu_count() or 1
+        cores = os.cpu_count() or 1
+    try:
+        quota, period = open("/sys/fs/cgroup/cpu.max").read().split()
+        return max(1, min(cores, int(quota) // int(period)))
+    except (OSError, ValueError):  # no quota ("max"), or no cgroup v2 here
+        return cores
 
 
 def resolve_devices(devices, stages: int, module: Optional[nn.Module] = None) -> list[torch.device]:

@@ -24,7 +24,8 @@ ON_LOOPBACK = {"GLOO_SOCKET_IFNAME": loopback_interface()}
 
 
 def free_port() -> int:
-    """A TCP port on loopback that nothing listens on now."""
+    """A TCP port on loopback that nothing listens on now (another process may take it before it is
+    used: `two_nodes` tries again on a new one when that happened)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -45,8 +46,18 @@ def two_nodes(script_args: list[str], rdzv_id: str, timeout: float, done: Callab
     """Run two torchrun agents of `per_node` processes each on this machine, meeting at `port` (a
     free one by default), until `done()` or both exit, at most `timeout` seconds; then stop both and
     everything they started (an agent whose peer died may otherwise sit in torchrun's exit barrier
-    for minutes). Returns each agent's output."""
-    port = port or free_port()
+    for minutes). Returns each agent's output. A free port found taken by the time the agents bind
+    it (another process got it first) is replaced by a new one, up to three times."""
+    for _ in range(3):
+        outputs = _two_agents(script_args, rdzv_id, timeout, done, env, port or free_port(), per_node, agent_args)
+        if port or not any("address already in use" in output.lower() for output in outputs):
+            return outputs
+    return outputs
+
+
+def _two_agents(script_args: list[str], rdzv_id: str, timeout: float, done: Callable[[], bool],
+                env: Optional[dict], port: int, per_node: int, agent_args: tuple) -> list[str]:
+    """One try of `two_nodes` at `port`."""
     logs = [tempfile.TemporaryFile("w+") for _ in range(2)]
     command = agent_command(script_args, port, rdzv_id, per_node=per_node, agent_args=agent_args)
     nodes = [subprocess.Popen(command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, text=True,
@@ -75,8 +86,12 @@ def train_on_two_nodes(train_args: list[str], timeout: float = 180.0) -> dict:
     with tempfile.TemporaryDirectory() as folder:
         path = Path(folder) / "trace.json"
         args = ["-m", "lab.train", *train_args, "--trace-out", str(path)]
-        port, rdzv_id = free_port(), "gpipe-lab-two-nodes"
-        outputs = two_nodes(args, rdzv_id, timeout, port=port)
+        rdzv_id = "gpipe-lab-two-nodes"
+        for _ in range(3):  # a new port if the free one was taken before the agents bound it
+            port = free_port()
+            outputs = two_nodes(args, rdzv_id, timeout, port=port)
+            if path.exists() or not any("address already in use" in output.lower() for output in outputs):
+                break
         if not path.exists():
             raise RuntimeError("the two-node run wrote no trace; the agents printed:\n" + "\n".join(outputs))
         trace = json.loads(path.read_text())

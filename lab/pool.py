@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import itertools
 import os
+import re
 from dataclasses import replace
+from pathlib import Path
 from typing import Callable, Optional, Union
 
 import torch
@@ -31,6 +33,7 @@ from .stage_server import START_SECONDS
 
 Recipe = Union[str, Callable]
 _pools = itertools.count()
+POOL_FILE = re.compile(r"gpipe-pool(\d+)-")  # a pool's files in /dev/shm: named after the process that made it
 
 
 class StageProcessError(ChildFailed):
@@ -53,6 +56,7 @@ class ProcessPool:
         self.losses: list = []
         self.seconds = 0.0
         self.built = False
+        sweep_orphans()
         self._meeting = Meeting()
         self._shm_prefix = f"gpipe-pool{os.getpid()}-{next(_pools)}"
         try:
@@ -176,6 +180,33 @@ class ProcessPool:
             raise
         except ChildFailed as failure:
             raise StageProcessError(f"{failure}: make a new ProcessPool") from None
+
+
+def sweep_orphans() -> list[str]:
+    """Remove from /dev/shm what pools whose process is gone left there, and say what: a pool
+    killed together with its stage processes (SIGKILL to its process group, as a supervisor, a
+    container stop or the OOM killer does) cleans up nothing itself. Every new pool sweeps first,
+    so a lab restarted that way all day does not fill /dev/shm."""
+    if not os.path.isdir(SHM):
+        return []
+    removed = []
+    for name in sorted(os.listdir(SHM)):
+        owner = POOL_FILE.match(name)
+        if owner and not _running(int(owner.group(1))):
+            try:
+                os.unlink(f"{SHM}/{name}")
+                removed.append(name)
+            except FileNotFoundError:  # another pool swept it first
+                pass
+    return removed
+
+
+def _running(pid: int) -> bool:
+    """Whether process `pid` exists and is not a zombie (killed, not yet reaped)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
 
 
 def _live_events(on_event: Callable):

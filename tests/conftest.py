@@ -1,7 +1,18 @@
-"""Small models and data shared by the engine tests."""
+"""Small models and data shared by the engine tests, and how the suite runs in parallel."""
 import pytest
 import torch
 from torch import nn
+
+# Tests that share a costly module fixture run on one pytest-xdist worker (--dist loadgroup), so that
+# it starts once: the browser tests' server, the process tests' pools, the breakdown's records.
+SHARED_FIXTURES = {"server": "browser", "pools": "pools", "quick_records": "breakdown"}
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        for fixture, group in SHARED_FIXTURES.items():
+            if fixture in getattr(item, "fixturenames", ()):
+                item.add_marker(pytest.mark.xdist_group(group))
 
 
 def mlp(width=16, depth=4, dropout=0.0, batch_norm=False, out=3, dtype=torch.float32, seed=0):

@@ -223,25 +223,25 @@ def test_a_dead_stage_process_is_a_clear_error_and_the_next_run_rebuilds(app):
 
 
 def test_a_session_that_finds_the_stage_processes_busy_waits_and_says_so(app, monkeypatch):
-    """The other session lets go of the stage processes only once this one has found them taken (its
-    try for the turn failed), so the test sees the wait whatever the host's speed."""
+    """The other session lets go of the stage processes only once this one waits for them (after its
+    try for the turn failed, it blocks on it), so the test sees the wait whatever the host's speed."""
     import threading
     from lab import processes
     app.run()
     small(app, stages=2, micro=4, transport="processes")
-    holding, tried = threading.Event(), threading.Event()
+    holding, waiting = threading.Event(), threading.Event()
 
     class Watched:
-        """The pool's turn, telling `tried` when a run finds it taken."""
+        """The pool's turn, telling `waiting` when a run blocks on it while it is taken (a start
+        ahead of time only ever tries it without blocking)."""
 
         def __init__(self, lock):
             self.lock = lock
 
         def acquire(self, blocking=True, timeout=-1):
-            got = self.lock.acquire(blocking, timeout)
-            if not got and not blocking:
-                tried.set()
-            return got
+            if blocking and self.lock.locked():
+                waiting.set()
+            return self.lock.acquire(blocking, timeout)
 
         def release(self):
             self.lock.release()
@@ -254,14 +254,14 @@ def test_a_session_that_finds_the_stage_processes_busy_waits_and_says_so(app, mo
     def other_session():
         with processes.pool_for(2):
             holding.set()
-            tried.wait(60)
+            waiting.wait(60)
 
     other = threading.Thread(target=other_session)
     other.start()
     holding.wait(30)
     small(app, stages=2, micro=3, transport="processes")  # a new setting: this session runs it now, and waits
     other.join()
-    assert tried.is_set() and not app.exception and not app.error
+    assert waiting.is_set() and not app.exception and not app.error
     assert any("waited its turn" in c.value and "another session" in c.value for c in app.caption)
 
 

@@ -221,3 +221,18 @@ def test_the_notebooks_device_is_the_cpu_unless_asked(monkeypatch):
 def test_the_lab_runs_where_its_configuration_says(pretend_gpus):
     from lab.experiments import devices_for
     assert devices_for(RunConfig(stages=3)) == ["cpu"] * 3
+
+
+def test_cpu_cores_heeds_a_cgroup_quota(monkeypatch):
+    """A container limited to 2 CPUs on a 16-core host runs 2 stages at once, not 16."""
+    import io
+    from engine import device
+    monkeypatch.setattr(device.os, "sched_getaffinity", lambda pid: set(range(16)))
+    for quota, cores in (("200000 100000\n", 2), ("150000 100000", 1), ("50000 100000", 1), ("max 100000", 16)):
+        monkeypatch.setattr(device, "open", lambda path, text=quota: io.StringIO(text), raising=False)
+        assert device.cpu_cores() == cores, quota
+
+    def no_cgroup(path):
+        raise FileNotFoundError(path)
+    monkeypatch.setattr(device, "open", no_cgroup, raising=False)
+    assert device.cpu_cores() == 16

@@ -401,3 +401,53 @@ def test_stages_that_sleep_at_once_or_spin_long_train_bitwise_like_threads(batch
         model, expected = threads_run(mlp(), batch, 2, balance=2, chunks=4)
         assert [l.item() for l in losses] == [l.item() for l in expected]
         assert all(torch.equal(a, b) for a, b in zip(pool.parameters(), model.parameters()))
+
+
+def test_a_new_pool_sweeps_the_files_of_pools_whose_process_is_gone():
+    from lab.pool import sweep_orphans
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead, mine = f"gpipe-pool{int(gone.stdout)}-0-test", f"gpipe-pool{os.getpid()}-999-test"
+    for name in (dead, mine):
+        Path("/dev/shm", name).write_bytes(b"x")
+    try:
+        assert dead in sweep_orphans() and not Path("/dev/shm", dead).exists()
+        assert Path("/dev/shm", mine).exists(), "a live process's pool files stay"
+    finally:
+        for name in (dead, mine):
+            Path("/dev/shm", name).unlink(missing_ok=True)
+
+
+@pytest.mark.timeout(600)
+def test_pools_killed_with_their_process_groups_leave_nothing_once_a_new_pool_starts(tmp_path):
+    """20 times, a parent stepping a pool is killed together with its stage processes (SIGKILL to
+    the process group, in the middle of a step, as a supervisor or the OOM killer would): then a new
+    pool starts, and nothing of the killed ones is left in /dev/shm, nor any of their processes."""
+    import json
+    import random
+    import signal
+    killed, rng = [], random.Random(0)
+    for wave in range(5):  # four parents at a time
+        started = []
+        for i in range(4):
+            ready = tmp_path / f"ready-{wave}-{i}.json"
+            started.append((subprocess.Popen([sys.executable, str(Path(__file__).parent / "pool_to_kill.py"), str(ready)],
+                                             cwd=Path(__file__).parent.parent, start_new_session=True,
+                                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL), ready))
+        for parent, ready in started:
+            deadline = time.monotonic() + 120
+            while not ready.exists() or not ready.read_text().endswith("}"):
+                assert parent.poll() is None and time.monotonic() < deadline, "the pool did not start stepping"
+                time.sleep(0.05)
+            time.sleep(rng.uniform(0, 0.1))  # in one of the first steps, of a few milliseconds each
+            os.killpg(parent.pid, signal.SIGKILL)
+            parent.wait()
+            killed.append(json.loads(ready.read_text()))
+    assert len(killed) == 20
+    left = [name for k in killed for name in os.listdir("/dev/shm") if name.startswith(k["parent"] + "-")]
+    print(f"{len(left)} file(s) of the last killed pools in /dev/shm before a new pool started")
+    with ProcessPool(2) as pool:
+        pool.build("conftest:mlp", {}, chunks=2)
+        assert [name for k in killed for name in os.listdir("/dev/shm") if name.startswith(k["parent"] + "-")] == []
+    survivors = [pid for k in killed for pid in k["stages"] if Path(f"/proc/{pid}").exists()
+                 and Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"]
+    assert survivors == [], "no stage process of a killed pool is left"
