@@ -31,7 +31,7 @@ def test_the_schedules_bubble_is_the_idle_of_the_unit_cost_diagram_with_the_step
         return  # interleaved needs several stages
     virtual = 2 if schedule == "interleaved" else 1
     costs = {op: 0.0013 * cost for op, cost in theory.unit_costs(schedule, virtual).items()}  # a step's times
-    line = replay.unit_cost(stages, micro, checkpoint, costs, schedule, virtual)
+    line = replay.unit_cost(stages, micro, checkpoint, costs, schedule, virtual, label="a step's task times")
     parts = breakdown.of_trace(line.trace, events_of(line))
     adds_up(parts)
     idle = line.makespan - line.busy[parts.critical_stage]

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import nbformat
 import pytest
-from notebook_client import SlicedPollsClient as NotebookClient
+from nbclient import NotebookClient
 
 NOTEBOOKS = sorted((Path(__file__).resolve().parent.parent / "notebooks").glob("*.ipynb"))
 HOST_SIZES = [("03_micro_batches_fill_the_pipe", "1"), ("03_micro_batches_fill_the_pipe", "16"),

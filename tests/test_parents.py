@@ -11,7 +11,7 @@ from pathlib import Path
 import nbformat
 import pytest
 from launch import children
-from notebook_client import SlicedPollsClient as NotebookClient
+from nbclient import NotebookClient
 
 ROOT = Path(__file__).resolve().parent.parent
 MARKER = "main module ran"
