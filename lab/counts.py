@@ -29,9 +29,6 @@ class Count:
     flops: int
     ops: int
 
-    def __add__(self, other: "Count") -> "Count":
-        return Count(self.flops + other.flops, self.ops + other.ops)
-
 
 class _OperatorCalls(TorchDispatchMode):
     """Counts the ATen operators called while it is active."""

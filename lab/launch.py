@@ -50,9 +50,14 @@ def two_nodes(script_args: list[str], rdzv_id: str, timeout: float, done: Callab
     it (another process got it first) is replaced by a new one, up to three times."""
     for _ in range(3):
         outputs = _two_agents(script_args, rdzv_id, timeout, done, env, port or free_port(), per_node, agent_args)
-        if port or not any("address already in use" in output.lower() for output in outputs):
+        if port or not port_taken(outputs):
             return outputs
     return outputs
+
+
+def port_taken(outputs: list[str]) -> bool:
+    """Whether the agents found their rendezvous port taken (another process bound it first)."""
+    return any("address already in use" in output.lower() for output in outputs)
 
 
 def _two_agents(script_args: list[str], rdzv_id: str, timeout: float, done: Callable[[], bool],
@@ -90,7 +95,7 @@ def train_on_two_nodes(train_args: list[str], timeout: float = 180.0) -> dict:
         for _ in range(3):  # a new port if the free one was taken before the agents bound it
             port = free_port()
             outputs = two_nodes(args, rdzv_id, timeout, port=port)
-            if path.exists() or not any("address already in use" in output.lower() for output in outputs):
+            if path.exists() or not port_taken(outputs):
                 break
         if not path.exists():
             raise RuntimeError("the two-node run wrote no trace; the agents printed:\n" + "\n".join(outputs))

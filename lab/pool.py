@@ -192,7 +192,7 @@ def sweep_orphans() -> list[str]:
     removed = []
     for name in sorted(os.listdir(SHM)):
         owner = POOL_FILE.match(name)
-        if owner and not _running(int(owner.group(1))):
+        if owner and not running(int(owner.group(1))):
             try:
                 os.unlink(f"{SHM}/{name}")
                 removed.append(name)
@@ -201,7 +201,7 @@ def sweep_orphans() -> list[str]:
     return removed
 
 
-def _running(pid: int) -> bool:
+def running(pid: int) -> bool:
     """Whether process `pid` exists and is not a zombie (killed, not yet reaped)."""
     try:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"

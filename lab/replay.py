@@ -50,7 +50,7 @@ class Timeline:
     @property
     def work(self) -> float:
         """The tasks' time added up: how long one device would take to run them one after another."""
-        return sum(e.end - e.start for e in self.trace.events)
+        return sum(self.trace.busy)
 
     @property
     def over_one_device(self) -> float:

@@ -1,6 +1,4 @@
 """Small models and data shared by the engine tests, and how the suite runs in parallel."""
-import os
-
 import pytest
 import torch
 from torch import nn
@@ -8,14 +6,6 @@ from torch import nn
 # Tests that share a costly module fixture run on one pytest-xdist worker (--dist loadgroup), so that
 # it starts once: the browser tests' server, the process tests' pools, the breakdown's records.
 SHARED_FIXTURES = {"server": "browser", "pools": "pools", "quick_records": "breakdown"}
-
-
-def pytest_configure(config):
-    """With several pytest-xdist workers, two tests' stage processes share the cores: a waiting stage
-    sleeps at once instead of spinning (GPIPE_SPIN_SECONDS=0), as it does on any host where the
-    stages outnumber the cores, so that no test burns a core another test needs."""
-    if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1:
-        os.environ.setdefault("GPIPE_SPIN_SECONDS", "0")
 
 
 def pytest_collection_modifyitems(items):

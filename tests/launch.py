@@ -1,4 +1,7 @@
-"""Processes in tests: finding what is left of those a test started."""
+"""Processes in tests: finding what is left of those a test started, in processes and in /dev/shm."""
+import os
+import time
+import uuid
 from pathlib import Path
 
 
@@ -19,15 +22,12 @@ def children(pid):
 def shm_prefix() -> str:
     """A prefix of this test's own for the pipes' files in /dev/shm (GPIPE_SHM_PREFIX), so that what
     it checks there is its own, whatever else runs on the host."""
-    import uuid
     return f"gpipe-test{uuid.uuid4().hex[:10]}"
 
 
 def shm_left(prefix: str, wait: float = 10.0) -> list[str]:
     """The files in /dev/shm whose names start with `prefix`, once they are gone or `wait` seconds
     have passed (a stage process may still be closing)."""
-    import os
-    import time
     deadline = time.monotonic() + wait
     while True:
         left = sorted(name for name in os.listdir("/dev/shm") if name.startswith(prefix))

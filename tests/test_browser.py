@@ -13,6 +13,7 @@ import pytest
 
 from lab.launch import free_port
 from lab.loopback import loopback_interface
+from lab.pool import running
 from launch import children
 from listeners import beyond_loopback, descendants, listening
 
@@ -67,9 +68,9 @@ def streamlit_server(log_path: Path):
         except subprocess.TimeoutExpired:
             process.kill()
         deadline = time.monotonic() + 10
-        while [p for p in stage_processes if alive(p)] and time.monotonic() < deadline:
+        while [p for p in stage_processes if running(p)] and time.monotonic() < deadline:
             time.sleep(0.2)
-        assert not [p for p in stage_processes if alive(p)], "stage processes outlived the server"
+        assert not [p for p in stage_processes if running(p)], "stage processes outlived the server"
 
 
 @pytest.fixture(scope="module")
@@ -97,13 +98,6 @@ def problems_in(log_path: Path) -> list[str]:
     (from the server itself or from a stage process, which shares its terminal)."""
     words = ("warning", "error", "traceback", "scriptruncontext", "no runtime found")
     return [line for line in log_path.read_text().splitlines() if any(w in line.lower() for w in words)]
-
-
-def alive(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 GANTT_TITLE = f"() => {GANTT}.layout.title.text"

@@ -16,7 +16,7 @@ from launch import children, shm_left, shm_prefix
 from listeners import beyond_loopback, listening
 from lab.launch import two_nodes
 from engine import GPipe
-from lab.pool import ProcessPool, StageProcessError
+from lab.pool import ProcessPool, StageProcessError, running
 
 ROOT = Path(__file__).resolve().parent.parent
 FAULTS = str(ROOT / "tests" / "distributed_faults.py")
@@ -272,11 +272,9 @@ def test_stage_processes_die_with_their_parent(tmp_path):
         parent.kill()
         parent.wait()
     deadline = time.monotonic() + 10
-    while any(Path(f"/proc/{p}").exists() and "Z" not in (Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1][:3])
-              for p in pids) and time.monotonic() < deadline:
+    while any(running(p) for p in pids) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert not [p for p in pids if Path(f"/proc/{p}").exists()
-                and "Z" not in Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1][:3]]
+    assert not [p for p in pids if running(p)]
 
 
 def test_bad_use_of_group_is_a_clear_error(batch):
@@ -448,6 +446,5 @@ def test_pools_killed_with_their_process_groups_leave_nothing_once_a_new_pool_st
     with ProcessPool(2) as pool:
         pool.build("conftest:mlp", {}, chunks=2)
         assert [name for k in killed for name in os.listdir("/dev/shm") if name.startswith(k["parent"] + "-")] == []
-    survivors = [pid for k in killed for pid in k["stages"] if Path(f"/proc/{pid}").exists()
-                 and Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"]
+    survivors = [pid for k in killed for pid in k["stages"] if running(pid)]
     assert survivors == [], "no stage process of a killed pool is left"
