@@ -22,13 +22,15 @@ def _die_with(parent: int) -> None:
     threading.Thread(target=watch, name="gpipe-parent-watch", daemon=True).start()
 
 
-def main() -> None:
+def main(watch: int = None) -> None:
+    """Serve the parent on the connection named in argv; end soon after the process that started
+    this one (`watch`: the forker's pid, lab/forker.py; by default the parent's)."""
     connection = Connection(int(sys.argv[1]))
     from lab.children import portable, receive, resolve, serve
 
     try:
         path, parent = receive(connection)
-        _die_with(parent)
+        _die_with(watch or parent)
         sys.path[:] = path + [p for p in sys.path if p not in path]
         target, args = receive(connection)  # after the path is set: the arguments may be the parent's classes
     except (EOFError, OSError):

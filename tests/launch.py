@@ -19,6 +19,17 @@ def children(pid):
     return found
 
 
+def descendants(pid: int) -> list[int]:
+    """Pids of the live processes `pid` started, and those they started, and so on (stage processes
+    are forked by a forker the parent started: lab/forker.py)."""
+    found, todo = [], [pid]
+    while todo:
+        below = children(todo.pop())
+        found += below
+        todo += below
+    return found
+
+
 def shm_prefix() -> str:
     """A prefix of this test's own for the pipes' files in /dev/shm (GPIPE_SHM_PREFIX), so that what
     it checks there is its own, whatever else runs on the host."""

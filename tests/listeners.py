@@ -6,19 +6,9 @@ import subprocess
 import time
 from pathlib import Path
 
-from launch import children
+from launch import descendants
 
 STATES = {"tcp": "0A", "tcp6": "0A", "udp": "07", "udp6": "07"}  # LISTEN; UDP: bound, unconnected
-
-
-def descendants(pid: int) -> list[int]:
-    """Pids of the live processes `pid` started, and those they started, and so on."""
-    found, todo = [], [pid]
-    while todo:
-        below = children(todo.pop())
-        found += below
-        todo += below
-    return found
 
 
 def _address(hexadecimal: str) -> ipaddress._BaseAddress:

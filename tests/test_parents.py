@@ -35,9 +35,9 @@ def check_output(output: str) -> None:
     assert result["transport"] == "processes" and result["stages"] == [0, 1] and result["loss"] > 0
 
 
-def run_parent(command, tmp_path, stdin=None):
+def run_parent(command, tmp_path, stdin=None, env=ENV):
     before = set(children(os.getpid()))  # an earlier test's shared stage pool may live on, by design
-    done = subprocess.run(command, input=stdin, capture_output=True, text=True, timeout=150, cwd=tmp_path, env=ENV)
+    done = subprocess.run(command, input=stdin, capture_output=True, text=True, timeout=150, cwd=tmp_path, env=env)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "Traceback" not in done.stderr and "Error" not in done.stderr, done.stderr[-3000:]
     check_output(done.stdout)
@@ -45,18 +45,22 @@ def run_parent(command, tmp_path, stdin=None):
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("parent", ["guarded script", "unguarded script", "standard input", "python -c",
-                                    "torchrun worker"])
+@pytest.mark.parametrize("parent", ["guarded script", "unguarded script", "unguarded, children not forked",
+                                    "standard input", "python -c", "torchrun worker"])
 def test_a_step_with_stage_processes_runs_from_any_parent(tmp_path, parent):
+    """"children not forked": each stage process a fresh `python -m lab.child` (GPIPE_WARM_FORK=0, as
+    on a host without fork and pidfds), instead of forked from the warm forker (lab/forker.py)."""
     script = tmp_path / "train.py"
     script.write_text(GUARDED if parent == "guarded script" else STEP)
     command = {"guarded script": [sys.executable, str(script)],
                "unguarded script": [sys.executable, str(script)],
+               "unguarded, children not forked": [sys.executable, str(script)],
                "standard input": [sys.executable, "-"],
                "python -c": [sys.executable, "-c", STEP],
                "torchrun worker": [sys.executable, "-m", "torch.distributed.run", "--standalone",
                                    "--nproc-per-node", "1", str(script)]}[parent]
-    run_parent(command, tmp_path, stdin=STEP if parent == "standard input" else None)
+    run_parent(command, tmp_path, stdin=STEP if parent == "standard input" else None,
+               env={**ENV, "GPIPE_WARM_FORK": "0"} if "not forked" in parent else ENV)
 
 
 @pytest.mark.timeout(180)

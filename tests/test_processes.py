@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from conftest import mlp, pair_model
-from launch import children, shm_left, shm_prefix
+from launch import descendants, shm_left, shm_prefix
 from listeners import beyond_loopback, listening
 from lab.launch import two_nodes
 from engine import GPipe
@@ -222,6 +222,19 @@ def test_a_pool_listens_on_loopback_only(pools, batch):
     assert os.stat(pool._meeting.folder).st_mode & 0o777 == 0o700
 
 
+def test_stage_processes_bind_gloo_and_nccl_to_loopback_whatever_the_host_name_resolves_to(monkeypatch):
+    """Where the host name resolves to a network address, gloo would listen there: each stage process
+    starts with GLOO_SOCKET_IFNAME and NCCL_SOCKET_IFNAME naming the loopback interface (a child gets
+    the environment it is started with: test_forker.py)."""
+    from lab import children
+    from lab.loopback import loopback_interface
+    started, start = [], children._start
+    monkeypatch.setattr(children, "_start", lambda fd, name, env: started.append(env) or start(fd, name, env))
+    with ProcessPool(2):
+        pass
+    assert [(env["GLOO_SOCKET_IFNAME"], env["NCCL_SOCKET_IFNAME"]) for env in started] == [(loopback_interface(),) * 2] * 2
+
+
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("lane", ["shm", "gloo"])
 def test_a_pool_closes_without_waiting_out_a_timeout(batch, lane):
@@ -251,7 +264,7 @@ def test_a_killed_stage_process_is_reported_and_the_pool_leaves_nothing(batch):
     with pytest.raises(StageProcessError, match=r"stage 1's process died \(exit codes \{1: -9\}\)"):
         pool.step(x, y, LOSS)
     assert time.monotonic() - start < 15
-    assert not pool.alive and not set(pids) & set(children(os.getpid()))
+    assert not pool.alive and not [pid for pid in pids if running(pid)]
     assert shm_left(pool._shm_prefix) == [], "nothing of the pool stays in /dev/shm"
     with pytest.raises(StageProcessError, match="make a new ProcessPool"):
         pool.step(x, y, LOSS)
@@ -266,8 +279,9 @@ def test_stage_processes_die_with_their_parent(tmp_path):
               "time.sleep(60)\n") % (str(ROOT), str(ROOT / "tests"))
     parent = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
     try:
-        pids = [int(p) for p in parent.stdout.readline().split()]
-        assert len(pids) == 2 and all(Path(f"/proc/{p}").exists() for p in pids)
+        stages = [int(p) for p in parent.stdout.readline().split()]
+        pids = descendants(parent.pid)  # the stage processes, and the forker they came from (lab/forker.py)
+        assert len(stages) == 2 and set(stages) <= set(pids) and all(running(p) for p in pids)
     finally:
         parent.kill()
         parent.wait()

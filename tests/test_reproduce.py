@@ -1,10 +1,9 @@
 """python -m lab.reproduce in --quick mode: the files it writes and their labels (not timings)."""
 import csv
-import os
 import time
 
 import pytest
-from launch import children
+from lab.pool import running
 
 from lab import reproduce
 
@@ -115,7 +114,7 @@ def test_a_failing_pipelining_worker_is_reported_promptly_and_nothing_is_left_ru
         assert time.monotonic() - start < 5
     finally:
         processes.close()
-    assert not set(pids) & set(children(os.getpid()))
+    assert not [pid for pid in pids if running(pid)]
 
 
 def test_the_peers_table_pairs_each_round_with_its_baseline():
