@@ -186,6 +186,8 @@ def _run_child(main, fds: list[int], name: str, env: dict, cwd: str, forker_pid:
             os.dup2(fd, target)
             os.close(fd)
         signal.signal(signal.SIGINT, signal.default_int_handler)
+        with open("/proc/self/comm", "w") as comm:  # what top and `ps -o comm` show: "stage-0", not the forker
+            comm.write(name[:15])
         os.environ.clear()
         os.environ.update(env)
         os.chdir(cwd)

@@ -62,9 +62,14 @@ def test_call_parts_account_for_busy_time_the_last_stage_start_and_the_ends():
                     "5000 us; planning and the trace 5000 us")
 
 
-def test_small_prints_only_the_small_model_rows(capsys):
+def test_small_prints_only_the_small_model_rows(capsys, monkeypatch):
+    """--small measures the small model's rows alone (what they hold: the --quick test above)."""
+    measured = []
+    monkeypatch.setattr(bench, "small_rows", lambda *args: measured.append(args) or [("small model: a row", "1.0x", "")])
+    monkeypatch.setattr(bench, "run", lambda *args: pytest.fail("--small measured the whole table"))
     bench.main(["--quick", "--small"])
     out = capsys.readouterr().out
     rows = [line for line in out.splitlines() if line.startswith("| ") and "---" not in line][1:]
-    assert len(rows) == 13 and "the small model only" in out
-    assert all("small model" in row or "ping-pong" in row or "floats" in row for row in rows)
+    assert rows == ["| small model: a row | 1.0x |  |"] and "the small model only" in out
+    small, rounds, lanes, halves = measured[0]
+    assert small["width"] == 32 and rounds == 1 and set(lanes) == {"shared memory", "shared memory, waits asleep", "gloo"}

@@ -437,23 +437,24 @@ def test_pools_killed_with_their_process_groups_leave_nothing_once_a_new_pool_st
     import json
     import random
     import signal
+    from lab.children import ChildFailed, Children
     killed, rng = [], random.Random(0)
     for wave in range(5):  # four parents at a time
-        started = []
-        for i in range(4):
-            ready = tmp_path / f"ready-{wave}-{i}.json"
-            started.append((subprocess.Popen([sys.executable, str(Path(__file__).parent / "pool_to_kill.py"), str(ready)],
-                                             cwd=Path(__file__).parent.parent, start_new_session=True,
-                                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL), ready))
-        for parent, ready in started:
-            deadline = time.monotonic() + 120
-            while not ready.exists() or not ready.read_text().endswith("}"):
-                assert parent.poll() is None and time.monotonic() < deadline, "the pool did not start stepping"
-                time.sleep(0.05)
-            time.sleep(rng.uniform(0, 0.1))  # in one of the first steps, of a few milliseconds each
-            os.killpg(parent.pid, signal.SIGKILL)
-            parent.wait()
-            killed.append(json.loads(ready.read_text()))
+        ready = [tmp_path / f"ready-{wave}-{i}.json" for i in range(4)]
+        parents = Children("pool_to_kill:PoolToKill", [(str(path),) for path in ready], name="parent")
+        try:
+            for index, path in enumerate(ready):
+                deadline = time.monotonic() + 120
+                while not path.exists():
+                    assert index not in parents.dead() and time.monotonic() < deadline, "the pool did not start stepping"
+                    time.sleep(0.05)
+                time.sleep(rng.uniform(0, 0.1))  # in one of the first steps, of a few milliseconds each
+                os.killpg(parents.pids[index], signal.SIGKILL)
+                killed.append(json.loads(path.read_text()))
+            with pytest.raises(ChildFailed, match=r"died \(exit codes \{\d: -9"):
+                parents.ask([None] * 4, timeout=30)
+        finally:
+            parents.close()
     assert len(killed) == 20
     left = [name for k in killed for name in os.listdir("/dev/shm") if name.startswith(k["parent"] + "-")]
     print(f"{len(left)} file(s) of the last killed pools in /dev/shm before a new pool started")
