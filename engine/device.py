@@ -20,10 +20,11 @@ from .microbatch import Value, rebuild, tensors_of
 
 
 def pinned(value: Value, devices) -> Value:
-    """`value` in page-locked host memory if it is on the host and any of `devices` is a GPU, else itself."""
+    """`value` in page-locked host memory if it is on the host and any of `devices` is a GPU, else itself
+    (dense first: pin_memory keeps strides, and an expanded tensor's cannot be written to)."""
     if not any(torch.device(d).type == "cuda" for d in devices):
         return value
-    return rebuild(value, [t.pin_memory() if t.device.type == "cpu" and not t.is_pinned() else t
+    return rebuild(value, [t.contiguous().pin_memory() if t.device.type == "cpu" and not t.is_pinned() else t
                            for t in tensors_of(value)])
 
 

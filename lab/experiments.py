@@ -198,6 +198,10 @@ def run(config: RunConfig, on_event: Optional[Callable] = None, replay: Union[bo
         keep_freed_cpu_memory()  # as in the stage processes and the benchmarks: every side of a comparison alike
     model, (inputs, targets), loss_fn = build(config)
     balance = choose_balance(config, model, inputs)
+    # Sized on the model as built, on the host: a pipe of threads moves the layers it is given onto
+    # the stages' devices (as torchgpipe does), where the host's samples could no longer reach them.
+    predicted = predicted_activation_bytes(config, model, inputs, balance)
+    per_sample = boundary_bytes(model, micro_sample(inputs, config))
     replayed = replay == "always" or (bool(replay) and config.stages > parallel_devices(config))
     single = baseline_of(config)
     with stepper_for(config, balance, model, on_wait) as pipe, \
@@ -213,8 +217,7 @@ def run(config: RunConfig, on_event: Optional[Callable] = None, replay: Union[bo
     trace, loss, wall, _ = sorted(measured, key=lambda m: m[0].makespan)[len(measured) // 2]
     singles = sorted((m[3] for m in measured if m[3] is not None), key=lambda t: t.makespan)
     solo = solo_run(config, balance) if replayed else None
-    predicted = predicted_activation_bytes(config, model, inputs, balance)
-    crossed, how = _boundary_traffic(config, trace, model, inputs, balance)
+    crossed, how = _boundary_traffic(config, trace, per_sample, balance)
     return RunRecord(
         config=asdict(config), balance=list(balance), kind="measured", events=trace.to_records(),
         memory=[dict(asdict(m), predicted_activation_bytes=p) for m, p in zip(trace.memory, predicted)],
@@ -271,13 +274,13 @@ def stepper_for(config: RunConfig, balance: list[int], model: Optional[nn.Sequen
         yield threads
 
 
-def _boundary_traffic(config: RunConfig, trace: Trace, model: nn.Sequential, inputs, balance: list[int]):
+def _boundary_traffic(config: RunConfig, trace: Trace, per_sample: list[float], balance: list[int]):
     """Bytes per step across each cut between stages, and how they were obtained: counted on the
-    wire when stages are processes; from the tensors' sizes at each cut when they are threads
-    (which hand tensors over in memory), where a gradient the size of each activation comes back."""
+    wire when stages are processes; from the tensors' sizes at each cut (`per_sample`: bytes per
+    sample of each layer's input) when they are threads (which hand tensors over in memory), where a
+    gradient the size of each activation comes back."""
     if trace.messages:
         return trace.boundary_bytes, "sent between processes"
-    per_sample = boundary_bytes(model, micro_sample(inputs, config))
     totals: dict[tuple[int, int], dict] = {}
     for chunk in range(len(balance) - 1):
         pair = (chunk % config.stages, (chunk + 1) % config.stages)

@@ -106,6 +106,26 @@ def test_run_record_is_plain_and_complete():
     assert record.host["cores"] >= 1 and record.loss > 0
 
 
+def test_run_measures_the_model_before_a_pipe_takes_its_layers_away(monkeypatch):
+    """A pipe of threads moves the layers it is given onto the stages' devices (on a GPU host, away
+    from the host's samples): run() must not use the model once a pipe is built on it. Here the pipe
+    runs on a copy and the model itself is moved to the meta device, where any use fails."""
+    import copy
+    from contextlib import contextmanager
+    real = experiments.stepper_for
+
+    @contextmanager
+    def moving(config, balance, model=None, *args, **kwargs):
+        with real(config, balance, copy.deepcopy(model), *args, **kwargs) as pipe:
+            if model is not None:
+                model.to("meta")
+            yield pipe
+    monkeypatch.setattr(experiments, "stepper_for", moving)
+    record = experiments.run(RunConfig(model="mlp", blocks=4, width=32, batch=16, stages=2, micro_batches=4),
+                             baseline=True)
+    assert all(m["predicted_activation_bytes"] > 0 for m in record.memory) and record.boundary_bytes
+
+
 def test_memory_prediction_matches_the_ledger_for_the_uniform_mlp():
     for checkpoint in ("never", "always"):
         record = experiments.run(RunConfig(model="mlp", blocks=8, width=64, batch=32, stages=4, micro_batches=8,
