@@ -309,12 +309,13 @@ def header(args, name: str, details: str) -> list[str]:
 
 
 def markdown(rows: list[dict]) -> str:
-    """Rows as a markdown table."""
+    """Rows as a markdown table: every column any row has, in the order they first appear (a row
+    may lack some: the K=1 cells have no "threads beside" figure), blank where a row has none."""
     if not rows:
         return "(no rows finished)"
-    columns = list(rows[0])
+    columns = list(dict.fromkeys(column for row in rows for column in row))
     lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
-    lines += ["| " + " | ".join("" if r[c] is None else str(r[c]) for c in columns) + " |" for r in rows]
+    lines += ["| " + " | ".join("" if r.get(c) is None else str(r[c]) for c in columns) + " |" for r in rows]
     return "\n".join(lines)
 
 

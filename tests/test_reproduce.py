@@ -175,3 +175,9 @@ def test_ctrl_c_keeps_finished_rows(tmp_path, monkeypatch, capsys):
     assert code == 130
     assert len(read_csv(tmp_path / "speedup.csv")) == 2
     assert "# interrupted" in (tmp_path / "speedup.md").read_text()
+
+
+def test_the_markdown_table_has_every_column_any_row_has():
+    """The K=1 cells come first and have no "threads beside" figure: the column is still there."""
+    table = reproduce.markdown([{"K": 1, "M": 4}, {"K": 2, "M": 4, "threads beside": "1.2x"}])
+    assert table.splitlines() == ["| K | M | threads beside |", "|---|---|---|", "| 1 | 4 |  |", "| 2 | 4 | 1.2x |"]
