@@ -133,7 +133,8 @@ def bare_matmuls(width: int, layers: int, batch: int, chunks: int, threads: int)
     return step
 
 
-SMALL = dict(width=256, layers=8, batch=64, chunks=8)  # the model a learner's laptop runs
+SMALL = dict(width=256, layers=8, batch=64, chunks=8, repeats=2000)  # the model a learner's laptop runs;
+                                                                   # repeats: timings taken per message-cost row
 
 
 def run(width: int, layers: int, batch: int, rounds: int, checkpoint: str, small: dict,
@@ -220,13 +221,13 @@ def small_rows(small: dict, rounds: int, lanes: dict[str, ProcessPool], half_poo
          "the ideal's stages are equal and start at once (traces after the warm-up step)"),
         ("small model, gloo: stage-thread time per message", per_message(traces["gloo"]),
          "2 messages per micro-batch and cut"),
-        ("ping-pong between two stage processes, one way: 1 float, 8 x 256 floats", ping_pong(lanes),
+        ("ping-pong between two stage processes, one way: 1 float, 8 x 256 floats", ping_pong(lanes, small["repeats"]),
          "through the pipe's transport; mean of 2000 round trips"),
         (f"small model: reading a message of {small['batch'] // small['chunks']} x {small['width']} floats (header, "
-         f"copy out)", cold_read(small['width'], small['batch'] // small['chunks'], small['layers'] // 2),
+         f"copy out)", cold_read(small['width'], small['batch'] // small['chunks'], small['layers'] // 2, small['repeats']),
          "Python right after a task runs slower: its data pushed the interpreter's out of the core's caches"),
         (f"copying {small['batch'] // small['chunks']} x {small['width']} floats out of shared memory",
-         cross_core_copy(4 * small['width'] * (small['batch'] // small['chunks'])),
+         cross_core_copy(4 * small['width'] * (small['batch'] // small['chunks']), small['repeats']),
          "the payload's own cost of crossing cores; medians of 2000"),
     ]
 
@@ -348,9 +349,10 @@ def cross_core_copy(size: int = 8192, count: int = 2000) -> str:
     return f"{median_us(other):.2f} us written by the other process, {median_us(own):.2f} us by this one"
 
 
-def ping_pong(pools: dict[str, ProcessPool]) -> str:
-    """One-way time of a message between the two stage processes of each pool, small and larger."""
-    return "; ".join(f"{name}: " + ", ".join(f"{pool.ping(2000, numel) * 1e6:.0f} us" for numel in (1, 8 * 256))
+def ping_pong(pools: dict[str, ProcessPool], count: int = 2000) -> str:
+    """One-way time of a message between the two stage processes of each pool, small and larger
+    (medians of `count` round trips)."""
+    return "; ".join(f"{name}: " + ", ".join(f"{pool.ping(count, numel) * 1e6:.0f} us" for numel in (1, 8 * 256))
                      for name, pool in pools.items())
 
 
@@ -430,7 +432,7 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     tuned = not args.default_malloc and keep_freed_cpu_memory()
     width, layers, batch = (64, 4, 128) if args.quick else (1024, 8, 2048)
-    small = dict(width=32, layers=4, batch=16, chunks=4) if args.quick else SMALL
+    small = dict(width=32, layers=4, batch=16, chunks=4, repeats=200) if args.quick else SMALL
     rounds = 1 if args.quick else args.rounds
     print(f"# engine benchmark: {layers} x (Linear({width},{width}) + ReLU), batch {batch}, "
           f"checkpoint={args.checkpoint}, {rounds} round(s), median samples/s" if not args.small else
