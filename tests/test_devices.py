@@ -237,18 +237,3 @@ def test_cpu_cores_heeds_a_cgroup_quota(monkeypatch):
     monkeypatch.setattr(device, "open", no_cgroup, raising=False)
     assert device.cpu_cores() == 16
 
-
-def test_expanded_and_strided_host_batches_are_pinned_as_dense_copies(monkeypatch):
-    """torch's pin_memory keeps a tensor's strides, so an expanded batch (stride 0) cannot be written
-    into page-locked memory: pinned() pins a dense copy. The real pin needs a GPU (test_cuda.py);
-    here a stand-in refuses overlapping memory as it does."""
-    from engine.device import pinned
-
-    def pin(tensor):
-        if torch._debug_has_internal_overlap(tensor) == 1:
-            raise RuntimeError("more than one element of the written-to tensor refers to a single memory location")
-        return tensor.clone()
-    monkeypatch.setattr(torch.Tensor, "pin_memory", pin)
-    for batch in (torch.randn(4, 3), torch.randn(3)[None].expand(4, 3), torch.randn(3, 4).t()):
-        assert torch.equal(pinned((batch,), ["cuda:0"])[0], batch)
-    assert pinned(batch, ["cpu"]) is batch

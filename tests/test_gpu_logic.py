@@ -106,6 +106,33 @@ def test_host_batches_are_pinned_only_for_gpus(monkeypatch):
     assert torch.equal(moved[0], x + 1) and torch.equal(moved[1], y + 1)
 
 
+def test_expanded_and_strided_host_batches_are_pinned_as_dense_copies(monkeypatch):
+    """torch's pin_memory keeps a tensor's strides, so an expanded batch (stride 0) cannot be written
+    into page-locked memory: pinned() pins a dense copy. The real pin needs a GPU (test_cuda.py);
+    here a stand-in refuses overlapping memory as it does."""
+    def pin(tensor):
+        if torch._debug_has_internal_overlap(tensor) == 1:
+            raise RuntimeError("more than one element of the written-to tensor refers to a single memory location")
+        return tensor.clone()
+    monkeypatch.setattr(torch.Tensor, "pin_memory", pin)
+    for batch in (torch.randn(4, 3), torch.randn(3)[None].expand(4, 3), torch.randn(3, 4).t()):
+        assert torch.equal(pinned((batch,), ["cuda:0"])[0], batch)
+    assert pinned(batch, ["cpu"]) is batch
+
+
+@pytest.mark.parametrize("quick", [True, False])
+def test_the_gpu_tables_transformer_cut_for_8_stages_puts_a_block_on_every_stage(quick):
+    """Not the embedding or the head alone on a stage (the quick model once left the head alone on
+    the last one, whose GPU time per task then never outgrew the host's)."""
+    from lab import speedup
+    from lab.experiments import build, choose_balance
+    config = speedup.gpu_start(quick).but(device="cpu", width=16, batch=32, stages=8, micro_batches=32)
+    model, (inputs, _), _ = build(config)
+    balance, names = choose_balance(config, model, inputs), [type(layer).__name__ for layer in model]
+    stages = [names[sum(balance[:k]):sum(balance[:k + 1])] for k in range(8)]
+    assert all("Block" in stage for stage in stages), stages
+
+
 def test_balance_by_time_profiles_on_the_stages_device(monkeypatch):
     """balance="time" times the layers where the stages will run them, not on the host's CPU."""
     from lab import experiments
