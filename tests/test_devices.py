@@ -195,9 +195,12 @@ def test_a_pools_stage_takes_the_gpu_of_its_pool_rank_not_an_inherited_local_ran
 def test_without_local_rank_a_replicas_stage_takes_the_gpu_of_its_world_rank(pretend_gpus, monkeypatch,
                                                                              local_rank, expected):
     """Replica 1's stage 1 of pipelines of K=2 is world rank 3: cuda:3, not cuda:1 beside replica 0's
-    stage 1; under torchrun, LOCAL_RANK decides."""
+    stage 1; under torchrun, LOCAL_RANK decides. That GPU becomes the process's current device (else
+    NCCL, and the user's own CUDA calls, would guess cuda:0); a CPU stage sets none."""
     from engine.distributed import runner
     from engine.distributed.transport import Ranks
+    current = []
+    monkeypatch.setattr(torch.cuda, "set_device", current.append)
     monkeypatch.setattr(runner, "check_group", lambda group, stages: Ranks(1, 2))
     monkeypatch.setattr(dist, "get_rank", lambda group=None: 3)
     if local_rank is None:
@@ -205,6 +208,7 @@ def test_without_local_rank_a_replicas_stage_takes_the_gpu_of_its_world_rank(pre
     else:
         monkeypatch.setenv("LOCAL_RANK", local_rank)
     assert runner.rank_and_device(None, 2, "cuda", None) == (1, torch.device("cuda", expected))
+    assert runner.rank_and_device(None, 2, "cpu", None) == (1, CPU) and current == [torch.device("cuda", expected)]
 
 
 def test_the_notebooks_device_is_the_cpu_unless_asked(monkeypatch):

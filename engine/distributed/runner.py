@@ -29,12 +29,17 @@ from .wire import Malformed, pack_table, unpack_table
 
 def rank_and_device(group, stages: int, devices, module) -> tuple[int, torch.device]:
     """This process's stage (its rank in `group`) and device (device.resolve_devices), where "cuda"
-    means cuda:LOCAL_RANK (else the world rank) mod the GPUs, so replicas do not share the first's GPUs."""
+    means cuda:LOCAL_RANK (else the world rank) mod the GPUs, so replicas do not share the first's GPUs.
+    A GPU becomes this process's current device: NCCL and the caller's own CUDA calls use it, not cuda:0."""
     ranks = check_group(group, stages)
     if str(devices) == "cuda" and torch.cuda.is_available():
         local = int(os.environ.get("LOCAL_RANK", dist.get_rank())) % torch.cuda.device_count()
-        return ranks.rank, check_device(torch.device("cuda", local), ranks.rank)
-    return ranks.rank, resolve_devices(devices, stages, module)[ranks.rank]
+        device = check_device(torch.device("cuda", local), ranks.rank)
+    else:
+        device = resolve_devices(devices, stages, module)[ranks.rank]
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    return ranks.rank, device
 
 
 class RankRunner:
