@@ -45,6 +45,7 @@ from .allreduce import time_all_reduce
 from .config import nvidia_smi
 from .exactness import unpipelined_gradients
 from .launch import ROOT, free_port
+from .loopback import loopback_interface
 from .models import build_mlp, mlp_batch
 from .stepper import Stepper
 
@@ -331,6 +332,8 @@ def run_module(args: list[str], timeout: float, env: Optional[dict] = None) -> s
 
 
 LOSS_TOLERANCE = 1e-4  # relative, a few float32 Adam steps on different GPUs and streams
+NCCL_ON_LOOPBACK = {"NCCL_DEBUG": "INFO", "NCCL_DEBUG_SUBSYS": "INIT",  # says when NCCL makes a communicator
+                    **dict.fromkeys(("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"), loopback_interface())}
 
 
 def nccl_two_gpus() -> str:
@@ -341,10 +344,10 @@ def nccl_two_gpus() -> str:
     train = ["-m", "lab.train", "--steps", "3", "--log-every", "1", "--device", "cuda"]
     with tempfile.TemporaryDirectory() as folder:
         reference, ranks = Path(folder) / "threads.json", Path(folder) / "nccl.json"
-        run_module([*train, "--stages", "2", "--trace-out", str(reference)], timeout=240)
+        run_module([*train, "--stages", "2", "--trace-out", str(reference)], timeout=ROW_SECONDS / 2 - 5)
         out = run_module(["-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2", "--rdzv-backend",
                           "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}", *train, "--trace-out", str(ranks)],
-                         timeout=240, env={"NCCL_DEBUG": "INFO", "NCCL_DEBUG_SUBSYS": "INIT"})
+                         timeout=ROW_SECONDS / 2 - 5, env=NCCL_ON_LOOPBACK)
         expected, got = (json.loads(path.read_text()) for path in (reference, ranks))
     communicators = out.count("Init COMPLETE")
     assert got["backend"] == "nccl", f"the pipeline's group is {got['backend']}, not NCCL"
@@ -382,6 +385,9 @@ GPU_ROWS: dict[str, Check] = {"one GPU: K=1, 2, 3": one_gpu_every_k,
                               "Table 2 sized for the GPU": gpu_sets_the_pace}
 
 
+TWO_GPU_ROWS: dict[str, Check] = {"NCCL, 2 GPUs": nccl_two_gpus}
+
+
 class Failed(Exception):
     """A check that failed in another process; its message is that row's detail."""
 
@@ -414,7 +420,7 @@ def checklist(cli: bool = True, deadline: Optional[float] = None) -> tuple[list[
         return checks, skipped
     checks += [(name, isolated(name, deadline)) for name in GPU_ROWS]
     if torch.cuda.device_count() >= 2:
-        checks.append(("NCCL, 2 GPUs", nccl_two_gpus))
+        checks += [(name, isolated(name, deadline)) for name in TWO_GPU_ROWS]
     else:
         skipped.append("NCCL: needs 2 GPUs, this host has 1 (stage processes on one GPU talk over gloo, checked above)")
     if cli:
@@ -482,7 +488,7 @@ def report_parts(folder: Path) -> list[Part]:
             Part("lab.train --device cuda, 2 ranks (torchrun, loopback)",
                  ["-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2", "--rdzv-backend", "c10d",
                   "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "-m", "lab.train", "--steps", "20", "--log-every",
-                  "5", "--device", "cuda"], 90, env={"NCCL_DEBUG": "INFO", "NCCL_DEBUG_SUBSYS": "INIT"})]
+                  "5", "--device", "cuda"], 90, env=NCCL_ON_LOOPBACK)]
 
 
 def run_part(part: Part, deadline: float, gpus: int, tail_lines: int = 40) -> Outcome:
@@ -538,7 +544,7 @@ def report_text(facts: list[tuple[str, str]], rows: list[Row], skipped: list[str
 
 def run_row(name: str) -> int:
     """Run one check here and print its row as JSON, the last line (`isolated` reads it)."""
-    checks = {**CPU_ROWS, **GPU_ROWS}
+    checks = {**CPU_ROWS, **GPU_ROWS, **TWO_GPU_ROWS}
     if name not in checks:
         print(f"python -m lab.doctor: error: no check named {name!r}", file=sys.stderr)
         return 2

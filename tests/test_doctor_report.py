@@ -85,3 +85,18 @@ def test_the_nccl_row_wants_nccl_to_have_carried_the_payloads_and_equal_losses(m
             assert words in str(error), (change, error)
         else:
             raise AssertionError(f"passed with {change}")
+
+
+def test_the_nccl_row_stays_on_loopback_and_within_its_rows_time(monkeypatch):
+    """Its two runs together fit in the time an isolated row gets (the report's deadline caps that),
+    and its ranks bind gloo and NCCL to the loopback interface."""
+    from lab.loopback import loopback_interface
+    seen = []
+    fake_train_runs(monkeypatch)
+    fake = doctor.run_module
+    monkeypatch.setattr(doctor, "run_module", lambda args, timeout, env=None: seen.append((timeout, env)) or
+                        fake(args, timeout, env))
+    doctor.nccl_two_gpus()
+    assert sum(timeout for timeout, _ in seen) <= doctor.ROW_SECONDS
+    assert seen[1][1]["NCCL_SOCKET_IFNAME"] == seen[1][1]["GLOO_SOCKET_IFNAME"] == loopback_interface()
+    assert "NCCL, 2 GPUs" in doctor.TWO_GPU_ROWS  # run by `isolated`, under the report's deadline
