@@ -1,7 +1,10 @@
 """CUDA paths: stages on GPUs, exactness, GPU-time events, memory peaks, where a pool's stages land.
-Skipped without CUDA. Stages on several streams agree within lab.doctor.GPU_TOLERANCE of the largest
-gradient, not bit for bit (cuBLAS does not promise that across streams); traces across GPUs are in
-order within the measured skew of the GPUs' time origins (lab.doctor.origin_skew)."""
+Each test whose body can run without a GPU runs on the CPU too (`kind`: "cpu" everywhere, "cuda"
+where there is a GPU), so that a mistake in a test's own code fails in CI, not first on a rented
+GPU; only what needs a GPU (memory peaks on the device, streams, NCCL, the sizing) is left to
+"cuda". Stages on several streams agree within lab.doctor.GPU_TOLERANCE of the largest gradient,
+not bit for bit (cuBLAS does not promise that across streams); traces across GPUs are in order
+within the measured skew of the GPUs' time origins (lab.doctor.origin_skew)."""
 import time
 
 import pytest
@@ -13,64 +16,76 @@ from engine.device import StageDevice, pinned
 from conftest import grads, mlp
 from lab.doctor import GPU_TOLERANCE, out_of_order, relative_difference, trace_slack
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+NO_GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+TWO_GPUS = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
+KINDS = pytest.mark.parametrize("kind", ["cpu", pytest.param("cuda", marks=NO_GPU)])
 LOSS = nn.functional.cross_entropy  # a function: stage processes import it by name (an nn.Module instance is refused)
 
 
-def devices(stages):
+def devices(stages, kind="cuda"):
+    """K stages spread over this host's GPUs (or all on the CPU)."""
+    if kind == "cpu":
+        return ["cpu"] * stages
     count = torch.cuda.device_count()
     return [f"cuda:{k % count}" for k in range(stages)]
 
 
-def test_cuda_gradients_match_cpu_and_each_partition():
+@KINDS
+def test_cuda_gradients_match_cpu_and_each_partition(kind):
     torch.manual_seed(1)
     x, y = torch.randn(32, 16), torch.randint(0, 3, (32,))
     reference = mlp(dropout=0.2)
-    GPipe(reference, 1, chunks=4, seed=3, devices=["cuda:0"]).step(x, y, LOSS)
+    GPipe(reference, 1, chunks=4, seed=3, devices=devices(1, kind)).step(x, y, LOSS)
     for stages in (2, 3):
         model = mlp(dropout=0.2)
-        pipe = GPipe(model, stages, chunks=4, seed=3, devices=devices(stages), checkpoint="always")
+        pipe = GPipe(model, stages, chunks=4, seed=3, devices=devices(stages, kind), checkpoint="always")
         pipe.step(x, y, LOSS)
         got, expected = [g.cpu() for g in grads(model)], [g.cpu() for g in grads(reference)]
         assert relative_difference(got, expected) <= GPU_TOLERANCE, stages
 
 
-def test_cuda_trace_has_gpu_times_and_memory_peaks():
+@KINDS
+def test_cuda_trace_has_gpu_times_and_memory_peaks(kind):
     torch.manual_seed(1)
     x, y = torch.randn(32, 16), torch.randint(0, 3, (32,))
-    pipe = GPipe(mlp(), 2, chunks=4, devices=devices(2))
+    pipe = GPipe(mlp(), 2, chunks=4, devices=devices(2, kind))
     seen = []
     pipe.step(x, y, LOSS, on_event=seen.append)
     assert len(seen) == len(pipe.trace.events) == 2 * (4 + 4 + 3)
-    assert all(e.device.startswith("cuda") and 0 <= e.start <= e.end for e in pipe.trace.events)
-    assert all(m.device_peak_bytes and m.device_peak_bytes > 0 for m in pipe.trace.memory)
-    out = pipe(x.cuda())
-    assert out.device == torch.device(devices(2)[-1])
+    assert all(e.device.startswith(kind) and 0 <= e.start <= e.end for e in pipe.trace.events)
+    if kind == "cuda":  # the device's own allocator peak: GPUs only
+        assert all(m.device_peak_bytes and m.device_peak_bytes > 0 for m in pipe.trace.memory)
+    out = pipe(x.to(kind))
+    assert out.device == torch.device(devices(2, kind)[-1])
 
 
-def test_a_model_on_a_gpu_keeps_every_stage_there_for_every_k():
+@KINDS
+def test_a_model_on_a_gpu_keeps_every_stage_there_for_every_k(kind):
+    place = torch.device(devices(1, kind)[0])
     for stages in (1, 2, 3):
-        model = mlp().to("cuda:0")
-        assert GPipe(model, stages, chunks=2).devices == [torch.device("cuda", 0)] * stages
+        model = mlp().to(place)
+        assert GPipe(model, stages, chunks=2).devices == [place] * stages
 
 
-def test_a_gpu_stage_hands_over_to_a_cpu_stage_and_back():
+@KINDS
+def test_a_gpu_stage_hands_over_to_a_cpu_stage_and_back(kind):
     torch.manual_seed(1)
     x, y = torch.randn(32, 16, dtype=torch.float64), torch.randint(0, 3, (32,))
     reference = mlp(dtype=torch.float64)
     LOSS(reference(x), y).backward()
     model = mlp(dtype=torch.float64)
-    GPipe(model, 3, chunks=4, devices=["cuda:0", "cpu", "cuda:0"]).step(x, y, LOSS)
+    GPipe(model, 3, chunks=4, devices=[devices(1, kind)[0], "cpu", devices(1, kind)[0]]).step(x, y, LOSS)
     for a, b in zip(grads(model), grads(reference)):
         assert torch.allclose(a.cpu(), b, atol=1e-12)
 
 
-def test_serial_runs_time_each_task_alone_and_traces_keep_dependencies():
+@KINDS
+def test_serial_runs_time_each_task_alone_and_traces_keep_dependencies(kind):
     torch.manual_seed(1)
     x, y = torch.randn(256, 16), torch.randint(0, 3, (256,))
-    slack = trace_slack("cuda")   # 1 us on one GPU; on two, the measured skew of their time origins
+    slack = trace_slack(kind)   # 1 us on one GPU; on two, the measured skew of their time origins
     assert slack < 5e-3
-    pipe = GPipe(mlp(width=16, depth=6), 2, chunks=8, devices=devices(2))
+    pipe = GPipe(mlp(width=16, depth=6), 2, chunks=8, devices=devices(2, kind))
     pipe.step(x, y, LOSS, serial=True)
     events = sorted(pipe.trace.events, key=lambda e: e.start)
     assert all(b.start >= a.end - slack for a, b in zip(events, events[1:]))
@@ -78,27 +93,28 @@ def test_serial_runs_time_each_task_alone_and_traces_keep_dependencies():
     assert out_of_order(pipe.trace, slack) == []
 
 
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs to tell the stages' GPUs apart")
-def test_a_pool_started_with_a_local_rank_puts_stage_k_on_gpu_k(monkeypatch):
+@pytest.mark.parametrize("kind", ["cpu", pytest.param("cuda", marks=TWO_GPUS)])
+def test_a_pool_started_with_a_local_rank_puts_stage_k_on_gpu_k(monkeypatch, kind):
     """As a pool started from a torchrun worker: its children inherit LOCAL_RANK, and must not all
-    take that GPU."""
+    take that GPU (2 GPUs tell the stages' GPUs apart)."""
     from lab.pool import ProcessPool
     monkeypatch.setenv("LOCAL_RANK", "1")
     torch.manual_seed(1)
     x, y = torch.randn(32, 16), torch.randint(0, 3, (32,))
-    with ProcessPool(2, timeout=120, device="cuda") as pool:
+    with ProcessPool(2, timeout=120, device=kind) as pool:
         pool.build("conftest:mlp", {}, chunks=4)
         pool.step(x, y, LOSS)
         placed = {e.stage: e.device for e in pool.trace.events}
-    assert placed == {0: "cuda:0", 1: "cuda:1"}
+    assert placed == ({0: "cuda:0", 1: "cuda:1"} if kind == "cuda" else {0: "cpu", 1: "cpu"})
 
 
+@NO_GPU
 def test_host_batches_are_pinned_on_a_gpu_host():
     for batch in (torch.randn(4, 3), torch.randn(3)[None].expand(4, 3), torch.randn(3, 4).t()):
         assert pinned(batch, ["cuda"]).is_pinned() and torch.equal(pinned(batch, ["cuda"]), batch)
 
 
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
+@TWO_GPUS
 def test_a_copy_into_a_gpu_waits_for_nothing_else_queued_there():
     """A stage's activation reaches the next GPU while that GPU's default stream is still busy (it
     used to wait for it, and so for every earlier copy into that GPU)."""
@@ -116,16 +132,19 @@ def test_a_copy_into_a_gpu_waits_for_nothing_else_queued_there():
     assert torch.equal(moved.cpu(), torch.arange(4.0))
 
 
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
-def test_stage_processes_on_two_gpus_send_payloads_over_nccl():
+@pytest.mark.parametrize("kind", ["cpu", pytest.param("cuda", marks=TWO_GPUS)])
+def test_stage_processes_on_two_gpus_send_payloads_over_nccl(kind):
+    """With an expanded target (stride 0), as a user's may be; on the CPU payloads go through
+    shared memory."""
     from lab.pool import ProcessPool
     x, y = torch.randn(8, 16), torch.randint(0, 4, (8,))
-    with ProcessPool(2, timeout=120, device="cuda") as pool:
+    with ProcessPool(2, timeout=120, device=kind) as pool:
         pool.build("lab.models:build", dict(name="mlp", blocks=4, width=16), chunks=4)
         loss = pool.step(x, y[:, None].float().expand(8, 16), torch.nn.functional.mse_loss)
-        assert pool.trace.lane == "gloo+nccl" and torch.isfinite(loss)
+        assert pool.trace.lane == ("gloo+nccl" if kind == "cuda" else "shared memory") and torch.isfinite(loss)
 
 
+@NO_GPU
 def test_the_gpu_table_is_sized_until_the_gpu_sets_the_pace():
     """The quick GPU table's sizing on this GPU: it measures each rung, and what it chose either
     meets the target on every stage or is the last rung that fit (its header says which)."""
