@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import atexit
 import importlib
+import itertools
 import os
 import pickle
 import select
@@ -27,19 +28,32 @@ import sys
 import threading
 import time
 import traceback
+from functools import lru_cache
 from pathlib import Path
 from typing import Optional
 
 PROJECT_ROOT = str(Path(__file__).resolve().parents[1])
-REAP_SECONDS = 0.05  # how often the forker reaps its children and reports their exit codes
-PRELOADED = ("torch", "lab.child", "lab.stage_server")  # imported once in the forker, for every child
+REAP_SECONDS = 0.05  # how often the forker reaps its children, reports their exit codes and looks for its parent
+PRELOADED = ("torch",)  # imported once in the forker for every child (the lab's own code is not: a
+                        # notebook that edits it gets the new code in its next pool, as with fresh processes)
 LOST = -1  # the exit code of a child whose forker was killed before it could report one
 
 
 def available() -> bool:
-    """Whether children are forked (Linux with pidfds, unless GPIPE_WARM_FORK=0) or started afresh."""
-    return (sys.platform == "linux" and hasattr(os, "pidfd_open") and hasattr(socket, "send_fds")
-            and os.environ.get("GPIPE_WARM_FORK", "1") != "0")
+    """Whether children are forked (Linux, where this kernel gives pidfds, unless GPIPE_WARM_FORK=0)
+    or started as fresh interpreters."""
+    return os.environ.get("GPIPE_WARM_FORK", "1") != "0" and _pidfds()
+
+
+@lru_cache(maxsize=1)
+def _pidfds() -> bool:
+    if sys.platform != "linux" or not hasattr(os, "pidfd_open") or not hasattr(socket, "send_fds"):
+        return False
+    try:
+        os.close(os.pidfd_open(os.getpid()))  # kernels before 5.3, or a seccomp profile, refuse it
+        return True
+    except OSError:
+        return False
 
 
 class Forked:
@@ -48,16 +62,19 @@ class Forked:
     def __init__(self, pid: int, pidfd: int, forker: "Forker"):
         self.pid, self._pidfd, self._forker = pid, pidfd, forker
         self.returncode: Optional[int] = None
+        self._lock = threading.RLock()  # poll and kill from several threads (and finalizers) close the pidfd once
 
     def poll(self) -> Optional[int]:
-        if self.returncode is None:
-            code = self._forker.exit_code(self.pid)
-            if code is None and not self._forker.running() and select.select([self._pidfd], [], [], 0)[0]:
-                code = LOST  # the forker was killed first: this child ended, with a code nobody saw
-            if code is not None:
-                self.returncode = code
-                os.close(self._pidfd)
-        return self.returncode
+        with self._lock:
+            if self.returncode is None:
+                code = self._forker.exit_code(self.pid)
+                if code is None and not self._forker.running() and select.select([self._pidfd], [], [], 0)[0]:
+                    code = LOST  # the forker was killed first: this child ended, with a code nobody saw
+                if code is not None:
+                    self.returncode = code
+                    os.close(self._pidfd)
+                    self._pidfd = -1
+            return self.returncode
 
     def wait(self, timeout: Optional[float] = None) -> int:
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -69,15 +86,18 @@ class Forked:
 
     def kill(self) -> None:
         """SIGKILL through the pidfd: never another process that took this pid after it was reaped."""
-        if self.poll() is None:
-            try:
-                signal.pidfd_send_signal(self._pidfd, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        with self._lock:
+            if self.poll() is None:
+                try:
+                    signal.pidfd_send_signal(self._pidfd, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
 
 
 class Forker:
-    """The parent's end: asks the forker for children, collects the exit codes it reports."""
+    """The parent's end: asks the forker for children, collects the exit codes it reports. Each
+    request carries a number and its answer comes back with it, so an answer is never taken for
+    another's, even when a request was interrupted (a notebook's stop button) before its answer came."""
 
     def __init__(self):
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
@@ -86,40 +106,63 @@ class Forker:
         self.process = subprocess.Popen([sys.executable, "-m", "lab.forker", str(theirs.fileno())],
                                         pass_fds=[theirs.fileno()], env=environment, stdin=subprocess.DEVNULL)
         theirs.close()
-        self.owner, self._ended = os.getpid(), False
-        self._socket, self._lock, self._exits = ours, threading.Lock(), {}
+        self.owner, self._ended, self._requests = os.getpid(), False, itertools.count()
+        self._socket, self._exits, self._answers, self._abandoned = ours, {}, {}, set()
+        self._lock = threading.RLock()  # re-entrant: a finalizer may poll a child while this thread waits here
 
     def running(self) -> bool:
         return not self._ended and self.process.poll() is None
 
     def start(self, connection_fd: int, name: str, env: dict) -> Forked:
         """Fork a child that runs lab.child on `connection_fd` (the parent keeps its own end)."""
+        try:
+            folder = os.getcwd()
+        except OSError:  # the parent's folder was deleted: the child stays in the forker's
+            folder = None
         with self._lock:
-            socket.send_fds(self._socket, [pickle.dumps((name, env, os.getcwd()))], [connection_fd, 1, 2])
-            while True:
-                message, fds = self._receive()
-                if message[0] == "forked":
-                    return Forked(message[1], fds[0], self)
+            number = next(self._requests)
+            socket.send_fds(self._socket, [pickle.dumps((number, name, env, folder))], [connection_fd, 1, 2])
+            try:
+                self._drain(timeout=0.1)
+                while number not in self._answers:
+                    if not self.running():
+                        raise OSError(f"the forker (pid {self.process.pid}) ended: exit code {self.process.poll()}")
+                    self._drain(timeout=0.1)
+            except BaseException:
+                self._abandoned.add(number)  # its child, if it comes, is killed: nobody holds it
+                raise
+            answer = self._answers.pop(number)
+        if isinstance(answer, str):
+            raise OSError(f"the forker could not start {name}: {answer}")
+        return Forked(*answer, self)
 
     def exit_code(self, pid: int) -> Optional[int]:
         """The child's exit code once the forker has reaped it (negative: the signal that ended it)."""
         with self._lock:
-            while not self._ended and select.select([self._socket], [], [], 0)[0]:
-                try:
-                    self._receive()
-                except OSError:
-                    self._ended = True  # the forker is gone: nothing more will come
+            self._drain(timeout=0)
             return self._exits.get(pid)
 
-    def _receive(self) -> tuple:
-        """One message from the forker; exit codes are kept as they come."""
-        data, fds, _, _ = socket.recv_fds(self._socket, 1 << 16, 1)
-        if not data:
-            raise OSError(f"the forker (pid {self.process.pid}) ended: exit code {self.process.wait(timeout=5)}")
-        message = pickle.loads(data)
-        if message[0] == "exit":
-            self._exits[message[1]] = message[2]
-        return message, fds
+    def _drain(self, timeout: float) -> None:
+        """Read what the forker has said, waiting up to `timeout` for the first message."""
+        while not self._ended and select.select([self._socket], [], [], timeout)[0]:
+            timeout = 0
+            data, fds, _, _ = socket.recv_fds(self._socket, 1 << 16, 1)
+            if not data:
+                self._ended = True  # the forker is gone: nothing more will come
+                return
+            kind, number, value = pickle.loads(data)
+            if kind == "exit":
+                self._exits[number] = value  # here `number` is the pid
+            elif number in self._abandoned:
+                self._abandoned.discard(number)
+                for fd in fds:
+                    signal.pidfd_send_signal(fd, signal.SIGKILL)
+                    os.close(fd)
+            elif kind == "forked":
+                self._exits.pop(value, None)  # a pid seen before, reused: its old exit is not this child's
+                self._answers[number] = (value, fds[0])
+            else:
+                self._answers[number] = value  # why the forker could not fork
 
 
 _forker: Optional[Forker] = None
@@ -135,17 +178,28 @@ def forker() -> Forker:
         return _forker
 
 
+def _forget_forker() -> None:
+    """In a fork of the parent (a DataLoader worker, say): drop the parent's socket to the forker, so
+    that the forker still ends with the parent and never answers this process instead."""
+    global _forker
+    if _forker is not None:
+        _forker._socket.close()
+        _forker = None
+
+
+os.register_at_fork(after_in_child=_forget_forker)
+
+
 # --- in the forker --------------------------------------------------------------------------------
 
 def serve(sock: socket.socket) -> None:
     """Fork a child per request until the parent is gone; reap the children and report their ends."""
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # reaped here, with their codes, whatever the parent set
     for module in PRELOADED:
         importlib.import_module(module)
-    child_main = sys.modules["lab.child"].main
-
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a notebook's interrupt is for the stages, not for us
-    me = os.getpid()
-    while True:
+    child_main = importlib.import_module("lab.child").main
+    me, parent = os.getpid(), os.getppid()
+    while os.getppid() == parent:
         ready = select.select([sock], [], [], REAP_SECONDS)[0]
         _reap(sock)
         if not ready:
@@ -153,16 +207,21 @@ def serve(sock: socket.socket) -> None:
         data, fds, _, _ = socket.recv_fds(sock, 1 << 20, 3)
         if not data:
             return  # the parent is gone
-        name, env, cwd = pickle.loads(data)
-        pid = os.fork()
+        number, name, env, folder = pickle.loads(data)
+        try:
+            pid = os.fork()
+        except OSError as error:  # no memory, or the pids limit: say so, and serve on
+            sock.send(pickle.dumps(("error", number, f"{type(error).__name__}: {error}")))
+            pid = None
         if pid == 0:
             sock.close()
-            _run_child(child_main, fds, name, env, cwd, me)
+            _run_child(child_main, fds, name, env, folder, me)
         for fd in fds:
             os.close(fd)
-        pidfd = os.pidfd_open(pid)
-        socket.send_fds(sock, [pickle.dumps(("forked", pid))], [pidfd])
-        os.close(pidfd)
+        if pid is not None:
+            pidfd = os.pidfd_open(pid)  # before the next _reap: the child cannot be reaped yet
+            socket.send_fds(sock, [pickle.dumps(("forked", number, pid))], [pidfd])
+            os.close(pidfd)
 
 
 def _reap(sock: socket.socket) -> None:
@@ -176,7 +235,7 @@ def _reap(sock: socket.socket) -> None:
         sock.send(pickle.dumps(("exit", pid, os.waitstatus_to_exitcode(status))))
 
 
-def _run_child(main, fds: list[int], name: str, env: dict, cwd: str, forker_pid: int) -> None:
+def _run_child(main, fds: list[int], name: str, env: dict, folder: Optional[str], forker_pid: int) -> None:
     """In the forked child: become what `python -m lab.child` would be, run it, and never return."""
     code = 0
     try:
@@ -190,10 +249,13 @@ def _run_child(main, fds: list[int], name: str, env: dict, cwd: str, forker_pid:
             comm.write(name[:15])
         os.environ.clear()
         os.environ.update(env)
-        os.chdir(cwd)
+        if folder is not None:
+            os.chdir(folder)
         sys.argv = ["lab.child", str(connection_fd), name]
         main(watch=forker_pid)
         atexit._run_exitfuncs()  # what a fresh interpreter's exit would run (weakref finalizers among them)
+    except SystemExit as end:
+        code = end.code if isinstance(end.code, int) else (0 if end.code is None else 1)
     except BaseException:
         traceback.print_exc()
         code = 1
@@ -207,6 +269,7 @@ def _run_child(main, fds: list[int], name: str, env: dict, cwd: str, forker_pid:
 
 
 if __name__ == "__main__":
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a notebook's interrupt is for the stages, not for the forker
     try:
         serve(socket.socket(fileno=int(sys.argv[1])))
     except (ConnectionError, OSError):

@@ -76,3 +76,44 @@ def test_the_forker_and_its_children_end_with_their_parent():
     while [p for p in started if running(p)] and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not [p for p in started if running(p)]
+
+
+def test_without_warm_forks_each_child_is_a_fresh_interpreter(monkeypatch):
+    monkeypatch.setenv("GPIPE_WARM_FORK", "0")
+    children = Children(Probe, [()])
+    try:
+        assert isinstance(children._processes[0], subprocess.Popen)
+        assert b"lab.child" in Path(f"/proc/{children.pids[0]}/cmdline").read_bytes()
+        assert children.ask([("where", None)])[0][2]  # it imported torch itself
+    finally:
+        children.close()
+
+
+def test_an_interrupted_request_leaves_no_child_and_the_next_gets_its_own(monkeypatch):
+    """A request interrupted before its answer came (a notebook's stop button while the forker is
+    still importing torch): its child is killed when the answer comes, never handed to the next."""
+    from multiprocessing.connection import Pipe
+    from launch import children as children_of
+    warm = forker.forker()
+    Children(Probe, [()]).close()
+    before = set(children_of(warm.process.pid))
+    ours, theirs = Pipe()
+    drain = warm._drain
+
+    def interrupted(timeout):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(warm, "_drain", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        warm.start(theirs.fileno(), "interrupted", dict(os.environ))
+    monkeypatch.setattr(warm, "_drain", drain)
+    children = Children(Probe, [()])
+    try:
+        assert children.ask([("where", None)])[0][2]
+        deadline = time.monotonic() + 10
+        while set(children_of(warm.process.pid)) - before - set(children.pids) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not set(children_of(warm.process.pid)) - before - set(children.pids), "the interrupted one was killed"
+    finally:
+        children.close()
+        ours.close()
+        theirs.close()
