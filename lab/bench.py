@@ -189,7 +189,33 @@ def run(width: int, layers: int, batch: int, rounds: int, checkpoint: str, small
          "cost of tracing memory (1.0 = free)"),
         ("seed=0 vs seed=None (with dropout, K=2, M=32)", ratio(times, 'dropout seed=0', 'dropout seed=None', digits=3),
          "cost of seed= (1.0 = free)"),
+        ("starting a ProcessPool(2), its stage processes up and met", pool_starts(rounds),
+         "forked from the warm forker (lab/forker.py) vs fresh interpreters (GPIPE_WARM_FORK=0)"),
     ]
+
+
+def pool_starts(rounds: int) -> str:
+    """Seconds to start a ProcessPool(2), its stage processes forked from the warm forker and as fresh
+    interpreters, interleaved round by round: medians and ranges."""
+    times: dict[str, list[float]] = {"1": [], "0": []}
+    previous = os.environ.get("GPIPE_WARM_FORK")
+    try:
+        for _ in range(rounds):
+            for mode, seconds in times.items():
+                os.environ["GPIPE_WARM_FORK"] = mode
+                start = time.perf_counter()
+                pool = ProcessPool(2)
+                seconds.append(time.perf_counter() - start)
+                pool.close()
+    finally:
+        if previous is None:
+            os.environ.pop("GPIPE_WARM_FORK", None)
+        else:
+            os.environ["GPIPE_WARM_FORK"] = previous
+
+    def said(seconds: list[float]) -> str:
+        return f"{statistics.median(seconds):.2f} s ({min(seconds):.2f} to {max(seconds):.2f})"
+    return f"forked {said(times['1'])}, fresh {said(times['0'])}"
 
 
 def small_rows(small: dict, rounds: int, lanes: dict[str, ProcessPool], half_pools: tuple) -> list[tuple[str, str, str]]:
