@@ -17,6 +17,8 @@ called measured, nor replayed as if its task times were the GPU's.
 """
 from __future__ import annotations
 
+import itertools
+
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Callable, Iterable, Iterator, Optional
@@ -63,6 +65,17 @@ def gpu_start(quick: bool = False, model: str = "transformer", seed: int = 0, tr
     width, batch = (GPU_LADDER_QUICK if quick else GPU_LADDER)[0]
     return RunConfig(model=model, blocks=14 if quick else 24, width=width, batch=batch, checkpoint=TABLE_CHECKPOINT,
                      seed=seed, device="cuda", transport=transport)
+
+
+def block_shares(config: RunConfig) -> list[float]:
+    """Each stage's share of the work when the configuration's Transformer is cut by equal layer
+    counts (the tables' cut), counted in blocks: the embedding does no multiply-adds and the head
+    well under 1 % of a block's at the GPU table's widths (lab.counts.layer_flops)."""
+    from .experiments import build, even_balance
+    model = build(config.but(width=8, batch=config.micro_batches, device="cpu"))[0]
+    blocks = [type(layer).__name__ == "Block" for layer in model]
+    edges = list(itertools.accumulate(even_balance(len(blocks), config.stages), initial=0))
+    return [sum(blocks[a:b]) / sum(blocks) for a, b in zip(edges, edges[1:])]
 
 
 def gpu_sizing(quick: bool = False, model: str = "transformer", seed: int = 0,

@@ -4,7 +4,7 @@ K = stages (devices), M = micro-batches per mini-batch, N = mini-batch size, L =
 """
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Optional, Sequence
 
 from engine.schedule import gpipe, timeline
 
@@ -100,16 +100,19 @@ SCHEDULE_PAPERS = {
 }
 
 
-def time_vs_one_device(stages: int, micro_batches: int, checkpoint: str = "never") -> float:
+def time_vs_one_device(stages: int, micro_batches: int, checkpoint: str = "never",
+                       shares: Optional[Sequence[float]] = None) -> float:
     """A step's time in the unit-cost model, over one device's on the whole mini-batch without
     recompute (forward 1 + backward 2 = 3 units): GPipe's fill-drain timeline of K stages with
     `checkpoint`, each task costing its unit (forward 1, recompute 1, backward 2) over K·M. Without
     recompute (M+K-1)/(KM); with it less than (M+K-1)(3+1)/(3KM), since stage k's recompute of a
     micro-batch needs only its kept input and runs while stage k+1 still computes the gradient it
-    waits for. The one time model of the lessons and of `fit.predict`."""
+    waits for. The one time model of the lessons and of `fit.predict`. `shares`: each stage's share
+    of the model's work where the cut is uneven (equal shares, 1/K each, by default)."""
     costs = unit_costs("gpipe")
+    shares = shares or [1 / stages] * stages
     times = timeline(gpipe(stages, micro_batches, checkpoint),
-                     lambda stage, task: costs[task.op] / (stages * micro_batches))
+                     lambda stage, task: costs[task.op] * shares[stage] / micro_batches)
     return max(end for stage in times for _, end in stage) / 3
 
 
@@ -119,12 +122,14 @@ def recompute_overlap_speedup(stages: int, micro_batches: int, checkpoint: str =
     return time_vs_one_device(1, micro_batches, checkpoint) / time_vs_one_device(stages, micro_batches, checkpoint)
 
 
-def on_paper_scale(stages: int, micro_batches: int, checkpoint: str = "always") -> float:
+def on_paper_scale(stages: int, micro_batches: int, checkpoint: str = "always",
+                   shares: Optional[Sequence[float]] = None) -> float:
     """The unit-cost model's throughput at (K, M) over its own K=2, M=1 cell: the normalization of
     the paper's Table 2, with every micro-batch recomputed as the paper did. Without recompute it
     is K*M/(M+K-1) itself (whose K=2, M=1 cell is 1), the unit-cost ideal. The one scale on which
-    the lessons, the app and `lab.reproduce` compare the paper's cells with the model."""
-    return time_vs_one_device(2, 1, checkpoint) / time_vs_one_device(stages, micro_batches, checkpoint)
+    the lessons, the app and `lab.reproduce` compare the paper's cells with the model. `shares`:
+    the stages' shares of the work, for an uneven cut (time_vs_one_device)."""
+    return time_vs_one_device(2, 1, checkpoint) / time_vs_one_device(stages, micro_batches, checkpoint, shares)
 
 
 def why_cells_exceed() -> str:

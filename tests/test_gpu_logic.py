@@ -267,3 +267,18 @@ def test_the_sizing_stops_at_a_library_that_cannot_allocate():
     with pytest.raises(RuntimeError, match="not about memory"):
         speedup.sized_for_gpu(speedup.gpu_start(quick=True, seed=5), True,
                               probe=lambda config: (_ for _ in ()).throw(RuntimeError("not about memory")))
+
+
+def test_the_gpu_pages_expected_figures_follow_from_the_cut_the_tables_make():
+    """docs/gpu.md's table: the unit-cost model on the paper's scale, for the GPU table's Transformer
+    cut by equal layer counts (its busiest stage's share of the blocks), and for equal stages."""
+    from pathlib import Path
+    from lab import speedup, theory
+    page = (Path(__file__).resolve().parent.parent / "docs" / "gpu.md").read_text()
+    for m in (32, 4, 1):
+        cut = [theory.on_paper_scale(k, m, shares=speedup.block_shares(speedup.gpu_start().but(stages=k,
+                                                                                               micro_batches=m)))
+               for k in (2, 4, 8)]
+        equal = [theory.on_paper_scale(k, m) for k in (4, 8)]
+        row = f"| {m} | " + " | ".join(f"{v:.2f}" for v in cut) + " | " + ", ".join(f"{v:.2f}" for v in equal) + " |"
+        assert row in page, row
