@@ -248,13 +248,13 @@ def small_rows(small: dict, rounds: int, lanes: dict[str, ProcessPool], half_poo
         ("small model, gloo: stage-thread time per message", per_message(traces["gloo"]),
          "2 messages per micro-batch and cut"),
         ("ping-pong between two stage processes, one way: 1 float, 8 x 256 floats", ping_pong(lanes, small["repeats"]),
-         "through the pipe's transport; mean of 2000 round trips"),
+         f"through the pipe's transport; medians of {small['repeats']} round trips"),
         (f"small model: reading a message of {small['batch'] // small['chunks']} x {small['width']} floats (header, "
          f"copy out)", cold_read(small['width'], small['batch'] // small['chunks'], small['layers'] // 2, small['repeats']),
          "Python right after a task runs slower: its data pushed the interpreter's out of the core's caches"),
         (f"copying {small['batch'] // small['chunks']} x {small['width']} floats out of shared memory",
          cross_core_copy(4 * small['width'] * (small['batch'] // small['chunks']), small['repeats']),
-         "the payload's own cost of crossing cores; medians of 2000"),
+         f"the payload's own cost of crossing cores; medians of {small['repeats']}"),
     ]
 
 

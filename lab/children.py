@@ -27,14 +27,12 @@ import time
 import traceback
 import weakref
 from multiprocessing.connection import Connection, Pipe, wait
-from pathlib import Path
 from typing import Callable, Optional, Sequence, Union
 
 from engine.transport import StageFailed
 
 from . import forker
 
-PROJECT_ROOT = str(Path(__file__).resolve().parents[1])  # the folder that holds the engine and lab packages
 ECHO_SECONDS = 15.0  # after one child's error, how long the others may take to answer (a stage's
                      # failure reaches every rank within 5 s, a lost rank within 15 s)
 Target = Union[str, Callable]
@@ -86,9 +84,7 @@ class Children:
                  env: Optional[dict] = None, timeout: float = 300.0):
         target = target if isinstance(target, str) else name_of(target)
         self.name, self.timeout = name, timeout
-        environment = {**os.environ, **(env or {}),
-                       "PYTHONPATH": os.pathsep.join([PROJECT_ROOT] + [p for p in os.environ.get("PYTHONPATH", "")
-                                                                      .split(os.pathsep) if p])}
+        environment = forker.child_environment(env)
         self._connections: list[Connection] = []
         self._processes: list[subprocess.Popen] = []
         self._finalizer = weakref.finalize(self, _stop, self._processes, self._connections)

@@ -32,11 +32,18 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Optional
 
-PROJECT_ROOT = str(Path(__file__).resolve().parents[1])
+PROJECT_ROOT = str(Path(__file__).resolve().parents[1])  # the folder that holds the engine and lab packages
 REAP_SECONDS = 0.05  # how often the forker reaps its children, reports their exit codes and looks for its parent
 PRELOADED = ("torch",)  # imported once in the forker for every child (the lab's own code is not: a
                         # notebook that edits it gets the new code in its next pool, as with fresh processes)
 LOST = -1  # the exit code of a child whose forker was killed before it could report one
+
+
+def child_environment(changes: Optional[dict] = None) -> dict:
+    """This process's environment with `changes`, and the project first on PYTHONPATH: what a child
+    process (the forker, or a fresh `python -m lab.child`) is started with."""
+    return {**os.environ, **(changes or {}), "PYTHONPATH": os.pathsep.join(
+        [PROJECT_ROOT] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])}
 
 
 def available() -> bool:
@@ -101,10 +108,8 @@ class Forker:
 
     def __init__(self):
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        environment = {**os.environ, "PYTHONPATH": os.pathsep.join(
-            [PROJECT_ROOT] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])}
         self.process = subprocess.Popen([sys.executable, "-m", "lab.forker", str(theirs.fileno())],
-                                        pass_fds=[theirs.fileno()], env=environment, stdin=subprocess.DEVNULL)
+                                        pass_fds=[theirs.fileno()], env=child_environment(), stdin=subprocess.DEVNULL)
         theirs.close()
         self.owner, self._ended, self._requests = os.getpid(), False, itertools.count()
         self._socket, self._exits, self._answers, self._abandoned = ours, {}, {}, set()
