@@ -14,13 +14,16 @@ Runs over several hosts (torchrun) keep torch.distributed's trust model (docs/pr
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import socket
 import tempfile
 import weakref
 from datetime import timedelta
+from pathlib import Path
 
 IFF_LOOPBACK = 0x8  # the interface flag Linux shows in /sys/class/net/NAME/flags
+STORE_FOLDER = re.compile(r"gpipe-store-(\d+)-")  # a Meeting's folder: named after the process that made it
 
 
 def loopback_interface(net: str = "/sys/class/net") -> str:
@@ -41,7 +44,8 @@ class Meeting:
     `close()` or at exit. `env` puts each member's gloo and NCCL on the loopback interface."""
 
     def __init__(self):
-        self.folder = tempfile.mkdtemp(prefix="gpipe-store-")  # mode 0700
+        sweep_orphan_folders()
+        self.folder = tempfile.mkdtemp(prefix=f"gpipe-store-{os.getpid()}-")  # mode 0700
         self.path = os.path.join(self.folder, "store")
         self.env = dict.fromkeys(("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"), loopback_interface())
         # NCCL's watchdog would kill a stage process on a transfer error; the lane reports it instead
@@ -51,6 +55,33 @@ class Meeting:
     def close(self) -> None:
         """Remove the store's folder (after the members have left)."""
         self._finalizer()
+
+
+def sweep_orphan_folders(under: str = "") -> list[str]:
+    """Remove the Meeting folders whose process is gone, and say which: a process killed outright
+    (SIGKILL, the OOM killer) or ended by os._exit runs no finalizer. Every new Meeting sweeps first,
+    so a lab restarted that way all day does not fill the temporary folder."""
+    under = under or tempfile.gettempdir()
+    removed = []
+    for name in sorted(os.listdir(under)):
+        owner = STORE_FOLDER.match(name)
+        path = os.path.join(under, name)
+        try:
+            if not owner or running(int(owner.group(1))) or os.stat(path).st_uid != os.getuid():
+                continue
+        except FileNotFoundError:  # another Meeting swept it first
+            continue
+        shutil.rmtree(path, ignore_errors=True)
+        removed.append(name)
+    return removed
+
+
+def running(pid: int) -> bool:
+    """Whether process `pid` exists and is not a zombie (killed, not yet reaped)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
 
 
 def join(path: str, rank: int, size: int, timeout: float = 120.0, backend: str = "gloo") -> None:

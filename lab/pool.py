@@ -19,7 +19,6 @@ import itertools
 import os
 import re
 from dataclasses import replace
-from pathlib import Path
 from typing import Callable, Optional, Union
 
 import torch
@@ -28,7 +27,7 @@ from engine.distributed.shm_lane import SHM, checked_spin, sweep
 from engine.trace import Trace
 
 from .children import Children, ChildFailed, name_of, resolve
-from .loopback import Meeting
+from .loopback import Meeting, running
 from .stage_server import START_SECONDS
 
 Recipe = Union[str, Callable]
@@ -199,14 +198,6 @@ def sweep_orphans() -> list[str]:
             except FileNotFoundError:  # another pool swept it first
                 pass
     return removed
-
-
-def running(pid: int) -> bool:
-    """Whether process `pid` exists and is not a zombie (killed, not yet reaped)."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 def _live_events(on_event: Callable):

@@ -1,4 +1,7 @@
 """Small models and data shared by the engine tests, and how the suite runs in parallel."""
+import os
+import tempfile
+
 import pytest
 import torch
 from torch import nn
@@ -6,6 +9,14 @@ from torch import nn
 # Tests that share a costly module fixture run on one pytest-xdist worker (--dist loadgroup), so that
 # it starts once: the browser tests' server, the process tests' pools, the breakdown's records.
 SHARED_FIXTURES = {"server": "browser", "pools": "pools", "quick_records": "breakdown"}
+
+
+@pytest.fixture(scope="session", autouse=True)
+def temporary_folder_of_the_run(tmp_path_factory):
+    """The processes the tests start write their temporary files (torchrun's torchelastic_* folders,
+    which a killed agent leaves behind) under pytest's own folder for the run, which pytest prunes;
+    this process's Meetings too, so that they sweep where the children's were made."""
+    os.environ["TMPDIR"] = tempfile.tempdir = str(tmp_path_factory.mktemp("tmp"))
 
 
 def pytest_collection_modifyitems(items):

@@ -14,7 +14,8 @@ from lab.pool import ProcessPool
 
 
 class PoolToKill:
-    """Build a pool, say so in `ready` (its file prefix; its forker's and stage processes' pids), then step forever."""
+    """Build a pool, say so in `ready` (its file prefix, its Store's folder, its forker's and stage
+    processes' pids), then step forever."""
 
     def __init__(self, ready: str):
         os.setsid()
@@ -26,7 +27,7 @@ class PoolToKill:
             while True:
                 pool.step(x, y, torch.nn.functional.cross_entropy)
         with open(ready + ".part", "w") as file:
-            json.dump({"parent": pool._shm_prefix, "stages": [forker().process.pid, *pool.pids]}, file)
+            json.dump({"parent": pool._shm_prefix, "store": pool._meeting.folder, "stages": [forker().process.pid, *pool.pids]}, file)
         os.rename(ready + ".part", ready)
         threading.Thread(target=step_forever, daemon=True).start()
 

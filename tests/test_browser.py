@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from lab.launch import free_port
-from lab.pool import running
+from lab.loopback import running
 from launch import children, descendants
 from listeners import beyond_loopback, listening
 

@@ -11,7 +11,7 @@ import pytest
 
 from lab import forker
 from lab.children import ChildFailed, Children
-from lab.pool import running
+from lab.loopback import running
 from launch import descendants
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -16,7 +16,8 @@ from launch import descendants, shm_left, shm_prefix
 from listeners import beyond_loopback, listening
 from lab.launch import two_nodes
 from engine import GPipe
-from lab.pool import ProcessPool, StageProcessError, running
+from lab.loopback import running
+from lab.pool import ProcessPool, StageProcessError
 
 ROOT = Path(__file__).resolve().parent.parent
 FAULTS = str(ROOT / "tests" / "distributed_faults.py")
@@ -429,11 +430,24 @@ def test_a_new_pool_sweeps_the_files_of_pools_whose_process_is_gone():
             Path("/dev/shm", name).unlink(missing_ok=True)
 
 
+def test_a_new_meeting_sweeps_the_store_folders_of_processes_that_are_gone(tmp_path):
+    from lab.loopback import sweep_orphan_folders
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead, mine, other = (tmp_path / name for name in (f"gpipe-store-{int(gone.stdout)}-test",
+                                                      f"gpipe-store-{os.getpid()}-test", "gpipe-store-unnamed"))
+    for folder in (dead, mine, other):
+        folder.mkdir()
+        (folder / "store").write_bytes(b"x")
+    assert sweep_orphan_folders(str(tmp_path)) == [dead.name]
+    assert not dead.exists() and mine.exists() and other.exists(), "a live process's folder and others stay"
+
+
 @pytest.mark.timeout(600)
 def test_pools_killed_with_their_process_groups_leave_nothing_once_a_new_pool_starts(tmp_path):
     """20 times, a parent stepping a pool is killed together with its stage processes (SIGKILL to
     the process group, in the middle of a step, as a supervisor or the OOM killer would): then a new
-    pool starts, and nothing of the killed ones is left in /dev/shm, nor any of their processes."""
+    pool starts, and nothing of the killed ones is left in /dev/shm or the temporary folder (their
+    Stores), nor any of their processes."""
     import json
     import random
     import signal
@@ -461,5 +475,6 @@ def test_pools_killed_with_their_process_groups_leave_nothing_once_a_new_pool_st
     with ProcessPool(2) as pool:
         pool.build("conftest:mlp", {}, chunks=2)
         assert [name for k in killed for name in os.listdir("/dev/shm") if name.startswith(k["parent"] + "-")] == []
+        assert [k["store"] for k in killed if os.path.exists(k["store"])] == []
     survivors = [pid for k in killed for pid in k["stages"] if running(pid)]
     assert survivors == [], "no stage process of a killed pool is left"
