@@ -56,6 +56,7 @@ GPU_TOLERANCE = 1e-5   # float32 on GPUs, relative to the largest value: cuBLAS 
 #                        across streams (nor across processes, whose kernels may be chosen differently)
 ROW_SECONDS = 240      # at most, for one GPU row in its own process
 REPORT_SECONDS = 480   # --report: the rows and every part together, on one GPU
+REPORT_ROWS_SECONDS = 180  # of which the rows get at most this; the parts share the rest (`part_limit`)
 MIN_PART_SECONDS = 5   # a part is not started with less time left than this
 
 
@@ -454,12 +455,12 @@ def format_row(row: Row) -> str:
 
 @dataclass(frozen=True)
 class Part:
-    """One command of the report after the rows: `python args...`, at most `seconds`; `figures`
-    names the markdown table it writes, if any."""
+    """One command of the report after the rows: `python args...`, given `share` of the time the
+    rows left (`part_limit`); `figures` names the markdown table it writes, if any."""
 
     title: str
     args: list[str]
-    seconds: float
+    share: float
     env: dict = field(default_factory=dict)
     figures: Optional[Path] = None
 
@@ -478,7 +479,7 @@ class Outcome:
 
 
 def report_parts(folder: Path) -> list[Part]:
-    """The report's commands after the doctor's rows, each with its time limit."""
+    """The report's commands after the doctor's rows, each with its share of the time they leave."""
     reproduce = ["-m", "lab.reproduce", "--device", "cuda", "--quick", "--out", str(folder)]
     return [Part("tests/test_cuda.py", ["-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_cuda.py"], 150),
             Part("lab.reproduce speedup --device cuda --quick", [*reproduce[:2], "speedup", *reproduce[2:]], 150,
@@ -491,12 +492,20 @@ def report_parts(folder: Path) -> list[Part]:
                   "5", "--device", "cuda"], 90, env=NCCL_ON_LOOPBACK)]
 
 
-def run_part(part: Part, deadline: float, gpus: int, tail_lines: int = 40) -> Outcome:
-    """Run one part within its limit and the report's `deadline` (time.monotonic()); skipped
-    without a GPU or without time left."""
+def part_limit(part: Part, later: list[Part], deadline: float) -> float:
+    """The seconds `part` may run: its share of what is left before the report's `deadline`, the
+    `later` parts keeping theirs. So the parts end by the deadline by construction, whatever the
+    rows took, and a part that ends early leaves its time to the next ones."""
+    left = deadline - time.monotonic()
+    return left * part.share / (part.share + sum(p.share for p in later))
+
+
+def run_part(part: Part, deadline: float, gpus: int, later: tuple = (), tail_lines: int = 40) -> Outcome:
+    """Run one part within its share of the time left before the report's `deadline`
+    (time.monotonic(); `later`: the parts still to run); skipped without a GPU or without time left."""
     if gpus == 0:
         return Outcome(part, "skipped: no CUDA GPU", True)
-    limit = min(part.seconds, deadline - time.monotonic())
+    limit = part_limit(part, list(later), deadline)
     if limit < MIN_PART_SECONDS:
         return Outcome(part, f"skipped: the report's {REPORT_SECONDS} s were spent", False)
     start = time.perf_counter()
@@ -564,10 +573,11 @@ def main(argv=None) -> int:
         return run_row(args.row)
     start = time.perf_counter()
     deadline = time.monotonic() + REPORT_SECONDS if args.report else None
+    rows_deadline = deadline - (REPORT_SECONDS - REPORT_ROWS_SECONDS) if args.report else None
     facts = versions()
     for what, value in facts:
         print(f"{what:<18} {value}")
-    checks, skipped = checklist(cli=not (args.no_cli or args.report), deadline=deadline)
+    checks, skipped = checklist(cli=not (args.no_cli or args.report), deadline=rows_deadline)
     print(f"\n{'check':<30} {'':<5} {'time':>8}  what it saw")
     rows = run_checks(checks, on_row=lambda row: print(format_row(row), flush=True))
     for line in skipped:
@@ -579,9 +589,9 @@ def main(argv=None) -> int:
         return 1 if failed else 0
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     with tempfile.TemporaryDirectory() as folder:
-        outcomes = []
-        for part in report_parts(Path(folder)):
-            outcomes.append(run_part(part, deadline, gpus))
+        outcomes, parts = [], report_parts(Path(folder))
+        for index, part in enumerate(parts):
+            outcomes.append(run_part(part, deadline, gpus, later=tuple(parts[index + 1:])))
             print(f"# {part.title}: {outcomes[-1].status}", flush=True)
     Path(args.out).write_text(report_text(facts, rows, skipped, outcomes, time.perf_counter() - start))
     print(f"# report written to {args.out}: please send this one file back")

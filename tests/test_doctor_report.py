@@ -44,7 +44,7 @@ def test_each_part_is_bounded_says_its_exit_status_and_leaves_no_process(tmp_pat
     slow = ["-c", f"import subprocess, time; open({str(pid_file)!r}, 'w').write(str(subprocess.Popen(['sleep', '60'])"
                   f".pid)); time.sleep(60)"]
     monkeypatch.setattr(doctor, "MIN_PART_SECONDS", 0.5)
-    stopped = doctor.run_part(doctor.Part("slow", slow, 2), deadline, 1)
+    stopped = doctor.run_part(doctor.Part("slow", slow, 2), doctor.time.monotonic() + 2, 1)
     assert not stopped.passed and stopped.status.startswith("timed out after 2 s") and stopped.seconds < 10
     grandchild, until = int(pid_file.read_text()), doctor.time.monotonic() + 5   # killed with its group: gone soon
     while os.path.exists(f"/proc/{grandchild}") and doctor.time.monotonic() < until:
@@ -54,6 +54,27 @@ def test_each_part_is_bounded_says_its_exit_status_and_leaves_no_process(tmp_pat
     assert not spent.passed and spent.status.startswith("skipped: the report's")
     text = doctor.report_text([("python", sys.version.split()[0])], [], [], [done, failed, stopped, spent], 3.0)
     assert "SOMETHING FAILED" in text and "| fails | exit status 3 |" in text and "```text\noops\n```" in text
+
+
+def test_the_parts_share_what_the_rows_left_and_end_by_the_reports_deadline(tmp_path, monkeypatch):
+    """Each part that runs out its whole limit: still the last one ends by the deadline, and each got
+    its share of the time the rows left (here the rows took all of theirs)."""
+    clock = [1000.0]
+    monkeypatch.setattr(doctor.time, "monotonic", lambda: clock[0])
+
+    def runs_out(args, limit, env=None):
+        clock[0] += limit
+        return None, ""
+    monkeypatch.setattr(doctor, "bounded", runs_out)
+    parts = doctor.report_parts(tmp_path)
+    deadline = clock[0] + doctor.REPORT_SECONDS
+    clock[0] += doctor.REPORT_ROWS_SECONDS   # the rows' deadline
+    outcomes = [doctor.run_part(part, deadline, 1, later=tuple(parts[i + 1:])) for i, part in enumerate(parts)]
+    assert clock[0] <= deadline + 1e-6 and all(o.status.startswith("timed out") for o in outcomes)
+    left = doctor.REPORT_SECONDS - doctor.REPORT_ROWS_SECONDS
+    for part, outcome in zip(parts, outcomes):
+        share = left * part.share / sum(p.share for p in parts)
+        assert abs(float(outcome.status.split()[3]) - share) < 1, (part.title, outcome.status, share)
 
 
 def fake_train_runs(monkeypatch, lane="gloo+nccl", communicators=4, drift=0.0):
