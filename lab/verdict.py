@@ -2,8 +2,11 @@
 
 A single timing of each alternative, taken one after the other, ranks them by the host's load as
 much as by what they do. Here each alternative is measured in the same rounds (A, then B, then
-A, ...), and a winner is named only when it beats every other alternative in every round; otherwise
-the verdict says the host cannot tell them apart, and shows each one's median and range.
+A, ...), and a winner is named only when it beats every other alternative in every round and its
+slowest round beats their fastest (the spreads separate); otherwise the verdict says the host
+cannot tell them apart, and shows each one's median and range. Winning every one of 5 paired rounds
+alone happens by chance once in 16 between two equals, so a busy host named winners that flipped
+from run to run; with the spreads apart as well, once in 126.
 """
 from __future__ import annotations
 
@@ -39,7 +42,8 @@ def compare(rounds: dict[str, list[float]], what: str = "step", unit: str = "ms"
     spreads = {name: (statistics.median(v), min(v), max(v)) for name, v in rounds.items()}
     names = list(rounds)
     winner = next((a for a in names
-                   if all(rounds[a][i] < rounds[b][i] for b in names if b != a for i in range(count))), None)
+                   if all(rounds[a][i] < rounds[b][i] for b in names if b != a for i in range(count))
+                   and all(max(rounds[a]) < min(rounds[b]) for b in names if b != a)), None)
 
     def said(name: str) -> str:
         median, low, high = (value * scale for value in spreads[name])
@@ -47,12 +51,13 @@ def compare(rounds: dict[str, list[float]], what: str = "step", unit: str = "ms"
 
     figures = "; ".join(said(name) for name in names)
     if winner is None:
-        line = (f"this host cannot tell them apart: no {what} is the lowest in every one of {count} round(s) "
-                f"(medians and ranges: {figures})")
+        line = (f"this host cannot tell them apart: no {what} is the lowest in every one of {count} round(s) with "
+                f"its range clear of the others' (medians and ranges: {figures})")
     elif count < 3:
         line = (f"{winner} had the lowest {what} in each of only {count} round(s), too few to call it "
                 f"(medians and ranges: {figures})")
         winner = None
     else:
-        line = f"{winner} had the lowest {what} in every one of {count} rounds (medians and ranges: {figures})"
+        line = (f"{winner} had the lowest {what} in every one of {count} rounds, its range clear of the others' "
+                f"(medians and ranges: {figures})")
     return Verdict(spreads, winner, count, line)

@@ -1,5 +1,6 @@
-"""lab.verdict names a winner only when every round agrees; lab.counts counts what a task does; the
-replays that claims are judged on (mean costs, counts as costs) hold their laws whatever the costs."""
+"""lab.verdict names a winner only when every round agrees and the spreads separate; lab.counts
+counts what a task does; the replays that claims are judged on (mean costs, counts as costs) hold
+their laws whatever the costs."""
 import random
 
 import pytest
@@ -10,9 +11,15 @@ from lab.experiments import run, side_by_side
 
 
 def test_a_winner_only_when_it_wins_every_round():
-    told = verdict.compare({"a": [1.0, 1.1, 0.9], "b": [1.2, 1.3, 1.0]}, "step", "s", 1, 2)
+    told = verdict.compare({"a": [1.0, 1.1, 0.9], "b": [1.2, 1.3, 1.15]}, "step", "s", 1, 2)
     assert told.winner == "a" and told.told_apart() and "every one of 3 rounds" in told.line
-    assert told.spreads["b"] == (1.2, 1.0, 1.3) and "b 1.20 s (1.00 to 1.30)" in told.line
+    assert told.spreads["b"] == (1.2, 1.15, 1.3) and "b 1.20 s (1.15 to 1.30)" in told.line
+
+
+def test_every_round_won_but_ranges_that_overlap_and_the_host_cannot_tell():
+    """Five paired rounds all won happen once in 16 between equals: the spreads must separate too."""
+    told = verdict.compare({"a": [1.0, 1.2, 0.9, 1.1, 1.0], "b": [1.1, 1.3, 1.0, 1.2, 1.05]})
+    assert told.winner is None and "cannot tell them apart" in told.line, told.line
 
 
 def test_one_lost_round_and_the_host_cannot_tell():
