@@ -1,23 +1,33 @@
 """Checks for the lessons' "your turn" cells: each runs what the learner wrote against the lab's
 own answer and, when it differs, says what is wrong and why, not just that it is.
 
-A check never stops a notebook (Run All runs every cell, as Kaggle Learn's `q.check()` does), and
-never raises, whatever it is given: it returns one line, "✓ ..." for a right answer, "✗ ..." with
-the specific feedback for a wrong one, and "… not attempted yet: ..." while the `...` is still
-there. Each known mistake has its own sentence in `SAYS`, which the tests hold the checks to. A
-number is a number whether Python, numpy or torch made it. The cells after an exercise use
-`yours_if_right`, so they run the same whether or not the learner has done it.
+A check never stops a notebook (Run All runs every cell, as Kaggle Learn's `q.check()` does), never
+raises and never hangs, whatever it is given (a learner's function is stopped after 5 s of CPU): it
+returns "✓ ..." for a right answer, "✗ ..." with the specific feedback for a wrong one, and "… not
+attempted yet: ..." while the `...` is still there. Each known mistake has its own sentence in
+`SAYS`, which the tests hold the checks to; a formula check also knows the ways to get any formula
+wrong (upside down, an argument off by one or swapped, another unit, rounding, precedence), and
+shows a table of every case when none fits. A number is a number whether Python, numpy, torch or
+Decimal made it, judged to its own precision. The cells after an exercise use `yours_if_right`,
+so they run the same whether or not the learner has done it.
 """
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import functools
+import io
 import itertools
 import math
 import numbers
 import random
 import re
+import sys
+import threading
+import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from decimal import Decimal
 from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
@@ -39,15 +49,36 @@ SAYS = {
     "not a function": "define a function with def, as the cell above does, and pass the function itself",
     "not a number": "expected a number (an int or a float)",
     "constant": "your function returns the same value whatever its arguments: the answer depends on them",
+    "too long": "does every loop move on (past each item it looks at), and end?",
     "integer division": "integer division (//) drops the fraction: use /",
+    "rounded": "that is the answer rounded: return it exact (the notebook rounds only what it prints)",
     "percent": "that is a percentage; expected a fraction between 0 and 1 (drop the x 100)",
+    "ratio as percent": "that is the ratio as a percentage; expected the ratio itself (drop the x 100)",
+    "printed": "your function printed its answer but returned None: return the value (print only shows it)",
     "swapped": "you swapped the arguments: the function is called with them in the order its signature shows",
+    "inverse": "that is the answer upside down (1 divided by it): swap what is above and below the fraction bar",
+    "precedence": "operator precedence: * and / are done before + and -, so k-1/m means k-(1/m) and a/b+c means "
+                  "(a/b)+c: put parentheses around each sum",
+    "one variable off": "check each place that argument appears: the formula uses it as it is, and K-1 or M+K-1 "
+                        "only where the slots call for them",
+    "no pattern": "compare your function with the expected values in the table below, case by case",
     # bytes
     "weights alone": "that counts the weights alone: training also keeps a gradient per weight and Adam's two moments",
     "weights and gradients": "that counts weights and gradients: Adam adds two moments per weight",
-    "one moment": "12 bytes per parameter is RMSProp's count, one moment (the paper's Table 1); Adam keeps two",
+    "one moment": "12 bytes per parameter leaves one of the four out: the weight, its gradient and Adam's two "
+                  "moments take 4 bytes each",
     "bits": "that counts bits; expected bytes (8 bits each)",
-    "megabytes": "expected bytes, not megabytes: leave the unit as it is",
+    "kilobytes": "that is in kilobytes (kB, 1000 bytes); expected bytes: leave the unit as it is",
+    "kibibytes": "that is in kibibytes (KiB, 1024 bytes); expected bytes: leave the unit as it is",
+    "megabytes": "that is in megabytes (MB, 10^6 bytes); expected bytes: leave the unit as it is",
+    "mebibytes": "that is in mebibytes (MiB, 2^20 bytes); expected bytes: leave the unit as it is",
+    "gigabytes": "that is in gigabytes (GB, 10^9 bytes); expected bytes: leave the unit as it is",
+    "gibibytes": "that is in gibibytes (GiB, 2^30 bytes); expected bytes: leave the unit as it is",
+    "four bytes twice": "that counts 4 bytes four times over, once more than needed: each of the 4 tensors per "
+                        "parameter (weight, gradient, two moments) takes 4 bytes, 16 in all",
+    # times
+    "seconds": "that is in seconds; expected milliseconds, the unit f and b are given in",
+    "microseconds": "that is in microseconds; expected milliseconds, the unit f and b are given in",
     # bubble and speedup
     "busy share": "that is the share of time a stage works; the bubble is the share it waits, 1 minus it",
     "idle slots": "that counts idle slots; expected their share of the step: divide by the slots in all",
@@ -59,6 +90,7 @@ SAYS = {
     "bubble times K": "that multiplies the bubble, the idle share, by K; the speedup counts the busy share",
     # the bubble in milliseconds
     "fill only": "that counts the fill only: in the drain the stage waits K-1 backward slots as well",
+    "drain only": "that counts the drain only: in the fill the stage waits K-1 forward slots as well",
     "share, not time": "that is the bubble's share of the step; expected milliseconds: the K-1 forward and K-1 "
                        "backward slots the stage waits",
     "own work": "that is the stage's own work, M forwards and M backwards; the bubble is the time it waits besides",
@@ -76,22 +108,29 @@ SAYS = {
     "every task once": "every stage runs each micro-batch's forward and backward exactly once",
     "fill before drain": "all forwards come before any backward (the pipe fills, then drains)",
     "forward order": "forwards run in micro-batch order, the order the mini-batch was split in",
-    "drain order": "the drain runs the last micro-batch first: it is the first to finish its forward",
+    "drain order": "the drain starts with the last micro-batch: it is the last to finish its forward, on the "
+                   "last stage, so its backward can start there at once; the others follow in reverse order",
     # a checkpointed stage
     "not a tensor": "expected a tensor shaped like block(x)",
     "different output": "the output differs from block(x): checkpointing changes what is kept, not what is computed",
     "detached input": "the block ran on a detached input (x.detach(), or a tensor without requires_grad), so no "
                       "gradient reaches x, and the stage before needs it; pass x itself to "
                       "torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False)",
-    "no_grad": "the block ran under torch.no_grad(), which keeps nothing and forgets how to go back, so the output "
+    "no_grad": "the block ran under torch.no_grad() (or inference_mode), which keeps nothing and forgets how to go "
+               "back, so the output "
                "carries no graph: checkpointing keeps the input and recomputes the forward in the backward; use "
                "torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False)",
     "detached output": "the output was detached (.detach() or .data), so it carries no graph and nothing can be "
                        "differentiated: return what checkpoint returns, as it is",
     "kept activations": "autograd kept the block's activations during the forward: checkpointing keeps only the "
                         "input; wrap the block: torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False)",
+    "kept, not recomputed": "the backward never ran the block again: the activations were kept somewhere (save_on_cpu, "
+                    "your own saved-tensor hooks), not recomputed; wrap the block in "
+                    "torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False)",
     "different gradients": "the gradients differ from a plain backward: the recompute must run the same block on "
                            "the same input",
+    "frozen block": "the block's weights were frozen (requires_grad False), so they get no gradient: leave the block "
+                    "as it is; checkpointing changes what is kept, not what is trained",
     # gradient accumulation
     "whole batch": "that is the whole batch at once: run the model on each of the M micro-batches "
                    "(x.chunk(micro)), one forward and backward each, so that .grad accumulates",
@@ -101,6 +140,15 @@ SAYS = {
     "no backward": "some parameters have no gradient: call .backward() on each micro-batch's loss",
     "zeroed after": "the backward ran, but the gradients were zeroed afterwards: zero them once before the loop "
                     "(here they start at zero), never after it",
+    "autograd.grad": "torch.autograd.grad returns the gradients but never writes them into .grad, so nothing "
+                     "accumulated there: call .backward() on each micro-batch's loss",
+    "graphs held": "autograd held several micro-batches' graphs at once, as much memory as the whole batch: call "
+                   ".backward() on each micro-batch's (scaled) loss right after its forward, so each graph is freed "
+                   "before the next micro-batch runs",
+    "scaled logits": "you scaled the model's output before the loss; the loss is not linear in it, so that does not "
+                     "scale the gradient by 1/M: scale the loss itself, loss_fn(model(xs), ys) / micro",
+    "scaled inputs": "you scaled the micro-batch's inputs; the model is not linear in them, so that does not scale "
+                     "the gradient by 1/M: feed each micro-batch as it is and scale its loss by 1/M",
     "uneven weights": "the micro-batches did not each enter once with weight 1/M: run the loop over every "
                       "micro-batch, each once, and scale each mean loss by 1/M",
     "unscaled": "each micro-batch's loss is a mean over its own samples, so the sum of M of them is M times the "
@@ -108,8 +156,12 @@ SAYS = {
     "scaled twice": "the gradients are M times too small: scale each micro-batch's mean loss by 1/M once, not 1/M²",
     "divided by its size": "you divided each micro-batch's loss by its number of samples, len(xs), but the loss is "
                            "already a mean over them: divide by M, the number of micro-batches",
-    "zero_grad inside": "only the last micro-batch's gradient is left: zero_grad() inside the loop wipes what the "
-                        "earlier ones accumulated; zero the gradients once, before the loop (here they start at zero)",
+    "zero_grad inside": "only the last micro-batch's gradient is left: zero_grad() inside the loop, or p.grad = ... "
+                        "instead of adding to it, replaces what the earlier ones accumulated; let backward() add into "
+                        ".grad, and zero it once, before the loop (here it starts at zero)",
+    "scaled by zero": "every micro-batch's loss was multiplied by 0 (1 // micro is 0: integer division): use 1 / micro",
+    "forward without grad": "the forwards ran under torch.no_grad() (or inference_mode), so no graph was kept and no "
+                            "gradient can flow back: run each micro-batch's forward with gradients on",
     "last one scaled": "only the last micro-batch's loss was scaled by 1/M: scale every micro-batch's loss",
     "wrong scale": "every micro-batch's gradient entered with the same weight, but not 1/M: scale each mean loss by "
                    "1/M",
@@ -124,6 +176,8 @@ SAYS = {
                   "try every cut (or the engine's dynamic program) and keep the one whose costliest stage is cheapest",
     "variance cut": "your cut makes the stages' costs as even as possible on average (least variance), but the "
                     "pipeline runs at the pace of its costliest stage: minimize the maximum instead",
+    "equal counts": "that gives the stages equal numbers of layers, whatever each layer costs: weigh the layers by "
+                    "their costs, and keep the cut whose costliest stage is cheapest",
     "not the min-max": "the pipeline runs at the pace of its costliest stage: among all cuts, keep the one whose "
                        "costliest stage is cheapest",
     # micro-batches in flight
@@ -232,16 +286,73 @@ def _called(fn: Callable, *args, returns: bool = True):
     _attempted(fn, "the cell")
     if not callable(fn) or isinstance(fn, type):
         raise Feedback(f"expected a function, got {type(fn).__name__}: {SAYS['not a function']}")
+    printed = _Printed(sys.stdout)
     try:
-        result = fn(*args)
+        with contextlib.redirect_stdout(printed):
+            result = _bounded(fn, args)
     except KeyboardInterrupt:
         raise
+    except _TookTooLong:
+        raise Feedback(f"{_call_text(fn, args)} did not return within {CALL_SECONDS:g} s of computing: "
+                       f"{SAYS['too long']}") from None
     except BaseException as error:  # SystemExit, GeneratorExit...: whatever the learner's code raised
         raise Feedback(f"{_call_text(fn, args)} raised {type(error).__name__}: {error}. {SAYS['raised']}") from None
+    if returns and result is None and printed.wrote:
+        raise Feedback(f"{_call_text(fn, args)} returned None: {SAYS['printed']}")
     if returns and (result is None or result is Ellipsis):
         raise NotAttempted(f"{_call_text(fn, args)} returned {result!r}: replace the `...` in it with your answer "
                            f"(and return it), run that cell, then this one")
     return result
+
+
+class _Printed(io.TextIOBase):
+    """Standard output while a learner's function runs: passed on as it is, and noted, so that a
+    function that prints its answer instead of returning it is told so."""
+
+    def __init__(self, out):
+        self.out, self.wrote = out, False
+
+    def write(self, text: str) -> int:
+        self.wrote = self.wrote or bool(text.strip())
+        return self.out.write(text)
+
+    def flush(self) -> None:
+        self.out.flush()
+
+
+CALL_SECONDS = 5.0    # CPU seconds a learner's function may run before it is stopped and told so
+WAIT_SECONDS = 60.0   # and seconds it may take in all (a loop that sleeps uses no CPU)
+
+
+class _TookTooLong(BaseException):
+    """Raised inside a learner's function that ran past its bound (a BaseException, so that an
+    `except Exception` in the learner's loop does not swallow it)."""
+
+
+def _bounded(fn: Callable, args: tuple):
+    """fn(*args) in this thread, interrupted with _TookTooLong once it has used CALL_SECONDS of
+    this thread's CPU time (so a busy host does not stop a slow right answer) or WAIT_SECONDS in
+    all. A watcher raises it in this thread, between two Python bytecodes: a loop that never ends stops."""
+    cpu_seconds, seconds = CALL_SECONDS, WAIT_SECONDS
+    thread, clock = threading.get_ident(), time.pthread_getcpuclockid(threading.get_ident())
+    done, lock, inside = threading.Event(), threading.Lock(), [True]
+    cpu_start, start = time.clock_gettime(clock), time.monotonic()
+
+    def watch() -> None:
+        while not done.wait(0.1):
+            if time.clock_gettime(clock) - cpu_start > cpu_seconds or time.monotonic() - start > seconds:
+                with lock:
+                    if inside[0]:
+                        ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread),
+                                                                   ctypes.py_object(_TookTooLong))
+                return
+    threading.Thread(target=watch, name="gpipe-check-watch", daemon=True).start()
+    try:
+        return fn(*args)
+    finally:
+        with lock:
+            inside[0] = False
+        done.set()
 
 
 def _call_text(fn: Callable, args: tuple) -> str:
@@ -261,6 +372,8 @@ def _number(value) -> Optional[float]:
             if value.size != 1 or value.dtype.kind not in "iuf":
                 return None
             value = value.item()
+        if isinstance(value, Decimal):
+            return float(value) if value.is_finite() else None
         if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
             return None
         try:
@@ -277,43 +390,83 @@ def _whole(value) -> Optional[int]:
     return int(number) if number is not None and math.isfinite(number) and number.is_integer() else None
 
 
-def _close(a: Optional[float], b: Optional[float]) -> bool:
-    """a equals b up to float32's rounding (a learner's numpy.float32 is a right answer too)."""
-    return a is not None and b is not None and math.isclose(a, b, rel_tol=1e-6, abs_tol=1e-9)
+def _tolerance(value) -> float:
+    """How close a number of `value`'s type can come: float32's rounding for Python's numbers (a
+    learner's numpy.float32 is a right answer too), a few steps of its own precision for a
+    lower-precision numpy or torch float (float16, bfloat16)."""
+    dtype = getattr(value, "dtype", None)
+    if dtype is None:
+        return 1e-6
+    try:
+        eps = torch.finfo(dtype).eps if isinstance(dtype, torch.dtype) else np.finfo(dtype).eps
+    except (TypeError, ValueError):
+        return 1e-6
+    return max(1e-6, 4 * float(eps))
+
+
+def _close(a: Optional[float], b: Optional[float], tolerance: float = 1e-6) -> bool:
+    """a equals b up to a relative `tolerance` (_tolerance)."""
+    return a is not None and b is not None and math.isclose(a, b, rel_tol=tolerance, abs_tol=1e-9)
 
 
 def _shown(value: float) -> str:
     return f"{value:g}" if float(value).is_integer() else f"{value:.4g}"
 
 
+# The units a formula's answer comes in, and the factors a learner's answer in another unit is off
+# by (with that mistake's family): bytes given in GiB are the answer times 2^-30.
+UNITS = {
+    "bytes": ((8, "bits"), (1e-3, "kilobytes"), (2 ** -10, "kibibytes"), (1e-6, "megabytes"),
+              (2 ** -20, "mebibytes"), (1e-9, "gigabytes"), (2 ** -30, "gibibytes")),
+    "ms": ((1e-3, "seconds"), (1e3, "microseconds")),
+    "fraction": ((100, "percent"),),
+    "ratio": ((100, "ratio as percent"),),
+    "": (),
+}
+
+
 @dataclass(frozen=True)
 class Formula:
     """A formula exercise: the cases it is tried on, the right answer, and the mistakes it knows
-    (family in SAYS, what a function with that mistake returns)."""
+    (family in SAYS, what a function with that mistake returns). Besides its own mistakes, every
+    formula knows the usual ways to get any formula wrong (`known`), alone or with its answer in
+    another unit."""
 
     names: tuple[str, ...]                      # the arguments' names, for the feedback
-    cases: tuple[tuple, ...]
+    cases: tuple[tuple, ...]                    # with the edge cases that tell the variants apart
     right: Callable[..., float]
     mistakes: tuple[tuple[str, Callable[..., float]], ...] = ()
     hint: str = ""                              # said when no known mistake fits
-    fraction: bool = False                      # the answer is a share: a percentage is a known mistake
+    unit: str = ""                              # a key of UNITS
     symmetric: bool = False                     # swapping the arguments gives the same answer
 
     def known(self) -> list[tuple[str, Callable[..., float]]]:
-        """The exercise's own mistakes, then those of any formula that apply to it."""
-        generic = []
-        if any(not float(self.right(*case)).is_integer() for case in self.cases):
-            generic.append(("integer division", lambda *a: math.floor(self.right(*a))))
-        if self.fraction:
-            generic.append(("percent", lambda *a: 100 * self.right(*a)))
-        if len(self.names) == 2 and not self.symmetric:
-            generic.append(("swapped", lambda a, b: self.right(b, a)))
+        """The exercise's own mistakes, then those of any formula: the answer upside down, an
+        argument off by one, two arguments swapped, a fraction dropped or rounded."""
+        right, generic = self.right, [("inverse", lambda *a: 1 / right(*a))]
+        for i, name in enumerate(self.names):
+            for step in (1, -1):
+                def shifted(*a, _i=i, _step=step):
+                    return right(*a[:_i], a[_i] + _step, *a[_i + 1:])
+                generic.append((f"one variable off:{name}{'+' if step > 0 else '-'}1", shifted))
+        if not self.symmetric:
+            for i, j in itertools.combinations(range(len(self.names)), 2):
+                def swapped(*a, _i=i, _j=j):
+                    b = list(a)
+                    b[_i], b[_j] = a[_j], a[_i]
+                    return right(*b)
+                generic.append((f"swapped:{self.names[i]},{self.names[j]}", swapped))
+        if any(not float(right(*case)).is_integer() for case in self.cases):
+            generic += [("integer division", lambda *a: math.floor(right(*a))),
+                        *(("rounded", lambda *a, _d=d: round(right(*a), _d)) for d in range(4)),
+                        ("rounded", lambda *a: math.ceil(right(*a)))]
         return [*self.mistakes, *generic]
 
     def judge(self, fn: Callable) -> None:
         """Raise Feedback unless fn gives the right answer on every case, naming the mistake it
-        recognizes in the answer, or saying that the answer is the same whatever the arguments."""
-        got = []
+        recognizes in the answer, or saying that the answer is the same whatever the arguments;
+        when no mistake fits, a table of every case shows where the answer goes wrong."""
+        got, tolerance = [], 1e-6
         for case in self.cases:
             result = _called(fn, *case)
             value = _number(result)
@@ -321,20 +474,49 @@ class Formula:
                 raise Feedback(f"{self.where(case)}: {_call_text(fn, case)} returned {result!r:.60} "
                                f"({type(result).__name__}): {SAYS['not a number']}")
             got.append(value)
-        wrong = [(case, value) for case, value in zip(self.cases, got) if not _close(value, self.right(*case))]
+            tolerance = max(tolerance, _tolerance(result))
+        expected = [float(self.right(*case)) for case in self.cases]
+        wrong = [i for i, (mine, right) in enumerate(zip(got, expected)) if not _close(mine, right, tolerance)]
         if not wrong:
             return
-        case, value = wrong[0]
-        said = f"{self.where(case)}: got {_shown(value)}, expected {_shown(self.right(*case))}"
+        said = f"{self.where(self.cases[wrong[0]])}: got {_shown(got[wrong[0]])}, expected {_shown(expected[wrong[0]])}"
         constant = len(set(got)) == 1
-        for family, mistake in self.known():
-            if all(_close(mine, _safely(mistake, c)) for c, mine in zip(self.cases, got)):
-                # a constant that a mistake also gives: both are said, since either may be what was written
-                raise Feedback(f"{said}: {SAYS['constant'] + '; or, if it computes, ' if constant else ''}"
-                               f"{SAYS[family]}")
+        mistake = self.recognize(got, tolerance)
+        if mistake:
+            # a constant that a mistake also gives: both are said, since either may be what was written
+            raise Feedback(f"{said}: {SAYS['constant'] + '; or, if it computes, ' if constant else ''}{mistake}")
         if constant:
             raise Feedback(f"{said}: {SAYS['constant']}")
-        raise Feedback(f"{said}{': ' + self.hint if self.hint else ''}")
+        raise Feedback(f"wrong in {len(wrong)} of {len(self.cases)} cases{': ' + self.hint if self.hint else ''}; "
+                       f"{SAYS['no pattern']}\n{self.table(got, expected, wrong)}")
+
+    def recognize(self, got: list[float], tolerance: float) -> Optional[str]:
+        """The sentence of the first known mistake that gives `got` on every case: a mistake of the
+        formula, the answer in another unit, or both at once."""
+        def gives(mistake: Callable[..., float], scale: float = 1.0) -> bool:
+            return all(_close(mine, None if (v := _safely(mistake, case)) is None else scale * v, tolerance)
+                       for case, mine in zip(self.cases, got))
+        known, units = self.known(), UNITS[self.unit]
+        for family, mistake in known:
+            if gives(mistake):
+                return _sentence(family)
+        for scale, unit in units:
+            if gives(self.right, scale):
+                return SAYS[unit]
+        for scale, unit in units:
+            for family, mistake in known:
+                if gives(mistake, scale):
+                    return f"{SAYS[unit]}; and besides, {_sentence(family)}"
+        return None
+
+    def table(self, got: list[float], expected: list[float], wrong: list[int]) -> str:
+        """Every case with the expected value and the learner's, the wrong ones marked."""
+        rows = [[*self.names, "expected", "yours", ""]] + [
+            [*(f"{v:g}" for v in case), _shown(right), _shown(mine), "✗" if i in wrong else "✓"]
+            for i, (case, right, mine) in enumerate(zip(self.cases, expected, got))]
+        widths = [max(len(row[c]) for row in rows) for c in range(len(rows[0]))]
+        return "\n".join("    " + "  ".join(cell.rjust(width) for cell, width in zip(row, widths)).rstrip()
+                         for row in rows)
 
     def where(self, case: tuple) -> str:
         return ", ".join(f"{name}={value:g}" for name, value in zip(self.names, case))
@@ -349,6 +531,17 @@ class Formula:
         return _exercise(judge)
 
 
+def _sentence(family: str) -> str:
+    """A family's sentence; "one variable off:K+1" and "swapped:K,M" name the argument(s) first."""
+    family, _, detail = family.partition(":")
+    if family == "one variable off":
+        name, sign = detail[:-2], detail[-2]
+        return f"that is the formula with {name}{sign}1 wherever {name} should be: {SAYS[family]}"
+    if family == "swapped" and detail:
+        return f"{SAYS[family]} ({detail.replace(',', ' and ')} trade places)"
+    return SAYS[family]
+
+
 def _safely(fn: Callable[..., float], case: tuple) -> Optional[float]:
     """A mistake's value on a case, or None where it has none (a division by zero)."""
     try:
@@ -358,26 +551,29 @@ def _safely(fn: Callable[..., float], case: tuple) -> Optional[float]:
 
 
 TRAINING_BYTES = Formula(
-    ("parameters",), ((1,), (1000,), (123_456,)), lambda p: 16 * p,
+    ("parameters",), ((1,), (1000,), (123_456,), (7,)), lambda p: 16 * p,
     (("weights alone", lambda p: 4 * p), ("weights and gradients", lambda p: 8 * p), ("one moment", lambda p: 12 * p),
-     ("bits", lambda p: 128 * p), ("megabytes", lambda p: 16 * p / 1e6), ("megabytes", lambda p: 16 * p / 2 ** 20)),
-    hint="4 bytes each for the weight, its gradient and Adam's two moments")
+     ("four bytes twice", lambda p: 64 * p)),
+    hint="4 bytes each for the weight, its gradient and Adam's two moments", unit="bytes")
 NAIVE_BUBBLE = Formula(
-    ("K",), ((2,), (4,), (8,), (1,)), lambda k: (k - 1) / k,
-    (("busy share", lambda k: 1 / k), ("idle slots", lambda k: k - 1)),
+    ("K",), ((2,), (4,), (8,), (1,), (3,)), lambda k: (k - 1) / k,
+    (("busy share", lambda k: 1 / k), ("idle slots", lambda k: k - 1), ("precedence", lambda k: k - 1 / k)),
     hint="with one micro-batch the step is a chain of K stages, and each stage works during 1 of its K slots",
-    fraction=True)
+    unit="fraction")
 BUBBLE = Formula(
-    ("K", "M"), ((2, 1), (4, 4), (4, 16), (8, 32), (1, 4), (3, 2)), lambda k, m: (k - 1) / (m + k - 1),
+    ("K", "M"), ((2, 1), (4, 4), (4, 16), (8, 32), (1, 4), (3, 2), (8, 2), (5, 1)), lambda k, m: (k - 1) / (m + k - 1),
     (("busy share", lambda k, m: m / (m + k - 1)), ("divided by M", lambda k, m: (k - 1) / m),
      ("off by one slot", lambda k, m: (k - 1) / (m + k)), ("off by one slot", lambda k, m: k / (m + k - 1)),
-     ("off by one slot", lambda k, m: (k - 1) / (m + k - 2)), ("idle slots", lambda k, m: k - 1)),
-    hint="the bubble is (K-1)/(M+K-1): K-1 idle slots of fill and drain out of M+K-1", fraction=True)
+     ("off by one slot", lambda k, m: (k - 1) / (m + k - 2)), ("idle slots", lambda k, m: k - 1),
+     ("precedence", lambda k, m: k - 1 / (m + k - 1)), ("precedence", lambda k, m: (k - 1) / m + k - 1),
+     ("precedence", lambda k, m: k - 1 / m + k - 1)),
+    hint="the bubble is (K-1)/(M+K-1): K-1 idle slots of fill and drain out of M+K-1", unit="fraction")
 IDEAL_SPEEDUP = Formula(
-    ("K", "M"), ((1, 1), (2, 1), (4, 4), (8, 32), (3, 5)), lambda k, m: k * m / (m + k - 1),
+    ("K", "M"), ((1, 1), (2, 1), (4, 4), (8, 32), (3, 5), (4, 2), (8, 1)), lambda k, m: k * m / (m + k - 1),
     (("forgets the bubble", lambda k, m: k), ("one device's share", lambda k, m: m / (m + k - 1)),
-     ("bubble times K", lambda k, m: k * (k - 1) / (m + k - 1)), ("off by one slot", lambda k, m: k * m / (m + k))),
-    hint="K devices, each busy M/(M+K-1) of the time: K·M/(M+K-1)", symmetric=True)
+     ("bubble times K", lambda k, m: k * (k - 1) / (m + k - 1)), ("off by one slot", lambda k, m: k * m / (m + k)),
+     ("precedence", lambda k, m: k * m / m + k - 1), ("precedence", lambda k, m: k * m / (m + k) - 1)),
+    hint="K devices, each busy M/(M+K-1) of the time: K·M/(M+K-1)", unit="ratio", symmetric=True)
 IN_FLIGHT = Formula(
     ("K", "k"), tuple((stages, stage) for stages in (1, 2, 4, 8) for stage in range(stages)),
     lambda stages, stage: theory.peak_in_flight("1f1b", stages, 64, stage),
@@ -387,17 +583,20 @@ IN_FLIGHT = Formula(
     hint="the fill takes K-1-k forwards, then one forward and one backward alternate")
 BOUNDARY_BYTES = Formula(
     ("N", "bytes per sample"), ((1, 4.0), (32, 256.0), (64, 4096.0), (3, 100.0)), lambda n, b: 2 * n * b,
-    (("forward only", lambda n, b: n * b), ("per sample", lambda n, b: 2 * b), ("bits", lambda n, b: 16 * n * b)),
-    hint="activations forward and gradients back, N samples each way", symmetric=True)
+    (("forward only", lambda n, b: n * b), ("per sample", lambda n, b: 2 * b)),
+    hint="activations forward and gradients back, N samples each way", unit="bytes", symmetric=True)
 
 BUBBLE_MS = Formula(
     ("K", "M", "f", "b"), ((2, 8, 1.0, 2.0), (4, 8, 1.5, 3.0), (4, 32, 1.5, 3.0), (8, 32, 0.25, 0.5), (1, 4, 2.0, 4.0),
-                          (3, 2, 2.0, 1.5)),
+                          (3, 2, 2.0, 1.5), (5, 1, 0.5, 3.0)),
     lambda k, m, f, b: (k - 1) * (f + b),
-    (("fill only", lambda k, m, f, b: (k - 1) * f), ("share, not time", lambda k, m, f, b: (k - 1) / (m + k - 1)),
+    (("fill only", lambda k, m, f, b: (k - 1) * f), ("drain only", lambda k, m, f, b: (k - 1) * b),
+     ("share, not time", lambda k, m, f, b: (k - 1) / (m + k - 1)),
      ("own work", lambda k, m, f, b: m * (f + b)), ("whole step", lambda k, m, f, b: (m + k - 1) * (f + b)),
-     ("off by one slot", lambda k, m, f, b: k * (f + b))),
-    hint="the fill holds the last stage back K-1 forward slots, the drain the first stage K-1 backward slots")
+     ("off by one slot", lambda k, m, f, b: k * (f + b)), ("precedence", lambda k, m, f, b: k - 1 * (f + b)),
+     ("precedence", lambda k, m, f, b: (k - 1) * f + b)),
+    hint="the fill holds the last stage back K-1 forward slots, the drain the first stage K-1 backward slots",
+    unit="ms")
 
 
 check_training_bytes = TRAINING_BYTES.as_check(
@@ -475,6 +674,7 @@ def check_checkpointed_stage(fn: Callable[[nn.Module, torch.Tensor], torch.Tenso
     torch.manual_seed(0)
     block = nn.Sequential(*[m for _ in range(4) for m in (nn.Linear(32, 32), nn.Tanh())])
     x = torch.randn(64, 32, requires_grad=True)
+    _warm_checkpoint()
     plain_out = block(x)
     plain_out.sum().backward()
     plain = [p.grad.clone() for p in block.parameters()] + [x.grad.clone()]
@@ -483,12 +683,17 @@ def check_checkpointed_stage(fn: Callable[[nn.Module, torch.Tensor], torch.Tenso
     calls: list[tuple[bool, bool]] = []   # (grad enabled, input requires grad) at each call of the block
     hook = block.register_forward_pre_hook(lambda _, inputs: calls.append(
         (torch.is_grad_enabled(), bool(inputs and getattr(inputs[0], "requires_grad", False)))))
+    entering: list[torch.Tensor] = []      # what the first layer was given: x, or a copy of it (x.clone())
+    first_layer = block[0].register_forward_pre_hook(lambda _, inputs: entering.append(inputs[0]))
     ledger = ActivationLedger(list(block.parameters()) + [x])
     try:
         with ledger.saving():
             out = _called(fn, block, x)
     finally:
         hook.remove()
+        first_layer.remove()
+    if not all(p.requires_grad for p in block.parameters()):
+        raise Feedback(SAYS["frozen block"])
     if not isinstance(out, torch.Tensor) or out.shape != plain_out.shape:
         got = f"a tensor of shape {tuple(out.shape)}" if isinstance(out, torch.Tensor) else type(out).__name__
         raise Feedback(f"got {got}: {SAYS['not a tensor']}, {tuple(plain_out.shape)}")
@@ -496,11 +701,21 @@ def check_checkpointed_stage(fn: Callable[[nn.Module, torch.Tensor], torch.Tenso
         raise Feedback(SAYS["different output"])
     if calls and not calls[0][1]:
         raise Feedback(SAYS["detached input"])
-    if not out.requires_grad:
+    if not out.requires_grad or out.grad_fn is None:   # no graph, or a detached output marked again
         raise Feedback(SAYS["detached output" if calls and calls[0][0] else "no_grad"])
-    if ledger.peak > 0:
-        raise Feedback(f"{ledger.peak:,} bytes kept: {SAYS['kept activations']}")
-    out.sum().backward()
+    # the block's input (x, or a copy of it) is what checkpointing keeps; anything else, even for a while, is not
+    copy = entering[0] if entering and entering[0] is not x else None
+    kept = ledger.peak - (copy.untyped_storage().nbytes() if copy is not None else 0)
+    if kept > 0:
+        raise Feedback(f"{kept:,} bytes kept: {SAYS['kept activations']}")
+    again: list[int] = []   # the first layer's calls in the backward: a recompute
+    recompute = block[0].register_forward_pre_hook(lambda *_: again.append(1))
+    try:
+        out.sum().backward()
+    finally:
+        recompute.remove()
+    if not again:   # kept rather than recomputed, where the check's own hooks could not see it
+        raise Feedback(SAYS["kept, not recomputed"])
     got = [p.grad for p in block.parameters()] + [x.grad]
     if x.grad is None and all(g is not None and torch.allclose(g, w, atol=1e-6) for g, w in zip(got[:-1], plain)):
         raise Feedback(SAYS["detached input"])  # e.g. x.detach().requires_grad_(): a new leaf, not x
@@ -512,6 +727,16 @@ def check_checkpointed_stage(fn: Callable[[nn.Module, torch.Tensor], torch.Tenso
     return (f"✓ nothing but the input kept during your forward, and the same gradients as a plain backward and as "
             f"the engine's recompute (checkpoint='always', one stage, 4 micro-batches: its activation peak "
             f"{engine_peak:,} bytes, one micro-batch's layers plus the inputs it keeps)")
+
+
+@functools.lru_cache(maxsize=1)
+def _warm_checkpoint() -> None:
+    """Run torch.utils.checkpoint once before timing a learner's stage: its first call imports
+    what it needs (about 2 s of CPU here), which is not the learner's time."""
+    from torch.utils.checkpoint import checkpoint
+    layer = nn.Linear(2, 2)
+    for reentrant in (False, True):
+        checkpoint(layer, torch.ones(1, 2, requires_grad=True), use_reentrant=reentrant).sum().backward()
 
 
 def _engine_recompute(block: nn.Module, x: torch.Tensor) -> tuple[list[torch.Tensor], int]:
@@ -528,6 +753,22 @@ def _engine_recompute(block: nn.Module, x: torch.Tensor) -> tuple[list[torch.Ten
 MICRO = 4   # micro-batches of the accumulation exercise, 6 samples each
 
 
+class _WatchedLoss(nn.CrossEntropyLoss):
+    """The loss function handed to the learner: cross-entropy that notes the logits it is given,
+    to tell a scaled output from the model's own."""
+
+    def __init__(self):
+        super().__init__()
+        self.logits: list[torch.Tensor] = []
+
+    def forward(self, logits, targets):
+        self.logits.append(logits)
+        return super().forward(logits, targets)
+
+
+_WatchedLoss.__name__ = _WatchedLoss.__qualname__ = "CrossEntropyLoss"   # how feedback names the learner's loss_fn
+
+
 @_exercise
 def check_accumulation(fn: Callable) -> str:
     """fn(model, x, y, loss_fn, micro): gradients of the mean loss over the batch, accumulated
@@ -535,7 +776,7 @@ def check_accumulation(fn: Callable) -> str:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 3))
     x, y = torch.randn(24, 8), torch.randint(0, 3, (24,))
-    loss_fn = nn.CrossEntropyLoss()
+    loss_fn = _WatchedLoss()
     loss_fn(model(x), y).backward()
     whole = torch.cat([p.grad.flatten() for p in model.parameters()])
     each = []   # each micro-batch's own gradient of its mean loss, one column each
@@ -544,16 +785,24 @@ def check_accumulation(fn: Callable) -> str:
         loss_fn(model(xs), ys).backward()
         each.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
     model.zero_grad(set_to_none=True)
-    sizes: list[int] = []
-    backwards = []  # one entry per gradient autograd computed for a parameter
-    hook = model.register_forward_pre_hook(lambda _, inputs: sizes.append(len(inputs[0])))
-    counters = [p.register_hook(lambda grad: backwards.append(1)) for p in model.parameters()]
+    loss_fn.logits.clear()
+    inputs, outputs, events = [], [], []   # events: "F" per forward, "B" per backward through the model
+    accumulated = []                       # one entry each time a backward wrote into the first weight's .grad
+    first = next(model.parameters())
+
+    def ran(_, args, out) -> None:   # a forward hook returning None leaves the output as it is
+        outputs.append(out)
+        events.append("F" if torch.is_grad_enabled() else "F without grad")
+    hooks = [model.register_forward_pre_hook(lambda _, args: inputs.append(args[0]) and None),
+             model.register_forward_hook(ran),
+             first.register_hook(lambda grad: events.append("B")),
+             first.register_post_accumulate_grad_hook(lambda p: accumulated.append(bool(p.grad.any())))]
     try:
         _called(fn, model, x, y, loss_fn, MICRO, returns=False)  # it accumulates into .grad
     finally:
-        hook.remove()
-        for counter in counters:
-            counter.remove()
+        for hook in hooks:
+            hook.remove()
+    sizes = [len(t) for t in inputs]
     if not sizes and all(p.grad is None for p in model.parameters()):
         raise NotAttempted(f"{getattr(fn, '__name__', 'your function')} ran no forward: replace the `...` in it "
                            f"with your answer, run that cell, then this one")
@@ -561,15 +810,49 @@ def check_accumulation(fn: Callable) -> str:
         family = ("whole batch" if sizes == [24] else "split for chunk" if sizes == [MICRO] * 6 else
                   "micro-batch sizes")
         raise Feedback(f"the model ran on batches of {sizes} samples: {SAYS[family]}")
-    wiped = all(p.grad is None or not p.grad.any() for p in model.parameters())
-    if backwards and wiped:
-        raise Feedback(SAYS["zeroed after"])
+    held = _most_held(events)
+    backwards = events.count("B")
+    if "F without grad" in events and all(p.grad is None for p in model.parameters()):
+        raise Feedback(SAYS["forward without grad"])
+    if backwards and not accumulated and all(p.grad is None for p in model.parameters()):
+        raise Feedback(SAYS["autograd.grad"])
+    if accumulated and all(p.grad is None or not p.grad.any() for p in model.parameters()):
+        raise Feedback(SAYS["zeroed after" if any(accumulated) else "scaled by zero"])
     if any(p.grad is None for p in model.parameters()):
         raise Feedback(SAYS["no backward"])
     got = torch.cat([p.grad.flatten() for p in model.parameters()]).double()
+    holding = (f"the model ran {held} forwards before their backward: {SAYS['graphs held']}" if held > 1 else "")
     if torch.allclose(got, whole.double(), atol=1e-6):
+        if holding:
+            raise Feedback(f"the gradients are right, but {holding}")
         return "✓ the sum over micro-batches of (1/M) x mean loss gives the whole batch's gradients"
-    raise Feedback(_accumulation_mistake(got, torch.stack(each, dim=1).double()))
+    scaled = _scaled(inputs, x.chunk(MICRO)) and "scaled inputs" or _scaled(loss_fn.logits, outputs) and "scaled logits"
+    mistake = SAYS[scaled] if scaled else _accumulation_mistake(got, torch.stack(each, dim=1).double())
+    raise Feedback(f"{mistake}; and besides, {holding}" if holding else mistake)
+
+
+def _most_held(events: list[str]) -> int:
+    """The most forwards run before their backward, from the "F" and "B" events of one answer."""
+    held = most = 0
+    for event in events:
+        held = held + 1 if event.startswith("F") else max(held - 1, 0)
+        most = max(most, held)
+    return most
+
+
+def _scaled(given: list[torch.Tensor], own: Sequence[torch.Tensor]) -> bool:
+    """Whether the tensors `given` are the tensors `own` times a number other than 1 (a learner's
+    1/M applied to a micro-batch's inputs, or to the model's output before the loss)."""
+    if not given or len(given) != len(own):
+        return False
+    for a, b in zip(given, own):
+        a, b = a.detach().double(), b.detach().double()
+        if a.shape != b.shape or not b.any():
+            return False
+        factor = (a * b).sum() / (b * b).sum()
+        if not torch.allclose(a, factor * b, atol=1e-6) or math.isclose(factor.item(), 1.0, abs_tol=1e-6):
+            return False
+    return True
 
 
 def _accumulation_mistake(got: torch.Tensor, each: torch.Tensor) -> str:
@@ -590,6 +873,12 @@ def _accumulation_mistake(got: torch.Tensor, each: torch.Tensor) -> str:
     family = next((name for name, pattern in families if weighted(*pattern)), None)
     if family is None:
         family = "wrong scale" if max(w) - min(w) < 1e-4 else "uneven weights"
+    if family == "wrong scale":   # one weight for all: say what it is in the exercise's own numbers
+        named = {MICRO: "micro (M), multiplied instead of divided", 24: "the batch's size",
+                 1 / 24: "1 / the batch's size", 6: "the micro-batch's size", 6 / MICRO: "len(xs) / micro",
+                 1 / (MICRO - 1): "1 / (M - 1)", 1 / (MICRO + 1): "1 / (M + 1)"}
+        said = next((words for value, words in named.items() if math.isclose(w[0], value, rel_tol=1e-3)), None)
+        shown += f", that is {said}" if said else ""
     return f"{shown}: {SAYS[family]}"
 
 
@@ -683,8 +972,8 @@ def check_best_cut(fn: Callable[[list, int], list]) -> str:
         yours.append(got)
         worst = max(_stage_costs(costs, got))
         if worst > best * (1 + 1e-9) + 1e-12:
-            family = next((name for name, rule in (("greedy cut", greedy_cut), ("variance cut", variance_cut))
-                           if _cuts_like(fn, rule)), "not the min-max")
+            families = (("greedy cut", _as(greedy_cut)), ("variance cut", _as(variance_cut)), ("equal counts", _even))
+            family = next((name for name, alike in families if _cuts_like(fn, alike)), "not the min-max")
             raise Feedback(f"costs {list(costs)}, K={stages}: your cut {got} has stages costing "
                            f"{[round(c, 4) for c in _stage_costs(costs, got)]}, the costliest {worst:g}; "
                            f"{solve(list(costs), stages)} gets the costliest down to {best:g}: {SAYS[family]}")
@@ -692,14 +981,28 @@ def check_best_cut(fn: Callable[[list, int], list]) -> str:
             f"cheapest possible, as balance_by_time's solver finds it")
 
 
-def _cuts_like(fn: Callable, rule: Callable[[Sequence[float], int], list[int]]) -> bool:
-    """Whether the learner's cut is `rule`'s on every list of SEPARATING_CUTS and the battery's
-    first lists: a family is named only when the cut behaves as that family does, not on one list."""
+def _cuts_like(fn: Callable, alike: Callable[[list[int], Sequence[float], int], bool]) -> bool:
+    """Whether the learner's cut is `alike` (a family's test of a cut) on every list of
+    SEPARATING_CUTS and the battery's first lists: a family is named only when the cut behaves as
+    that family does, not on one list."""
     lists = [*SEPARATING_CUTS, *((list(c), k) for c, k, _ in cut_battery()[:20])]
     try:
-        return all(_cut_counts(_called(fn, list(c), k), c, k) == rule(c, k) for c, k in lists)
+        return all(alike(_cut_counts(_called(fn, list(c), k), c, k), c, k) for c, k in lists)
     except Feedback:
         return False
+
+
+def _as(rule: Callable[[Sequence[float], int], list[int]]) -> Callable[[list[int], Sequence[float], int], bool]:
+    """The family of cuts that `rule` makes."""
+    return lambda cut, costs, stages: cut == rule(costs, stages)
+
+
+def _even(cut: list[int], costs: Sequence[float], stages: int) -> bool:
+    """The family of cuts by layer count alone: stages of as many layers as can be, the remainder
+    spread over some of them or left to the first or the last."""
+    base = len(costs) // stages
+    rest = len(costs) - (stages - 1) * base
+    return max(cut) - min(cut) <= 1 or cut in ([rest] + [base] * (stages - 1), [base] * (stages - 1) + [rest])
 
 
 # --- pipes, plans and layouts ---------------------------------------------------------------------
@@ -807,14 +1110,14 @@ def check_layout(choice: tuple, large_run) -> str:
                        f"micro-batches of {large_run.micro_size} per replica, or has more stages than the model's "
                        f"{large_run.layers} layers")
     row, best = rows[(replicas, stages)], rows[large_run.best()]
-    if (stages, replicas) == large_run.best() and replicas != stages:
-        raise Feedback(f"{replicas} x {stages}: {SAYS['layout swapped']}")
+    swapped = (f" (if you meant {stages} x {replicas}: {SAYS['layout swapped']})"
+               if (stages, replicas) == large_run.best() and replicas != stages else "")
     if not row["fits"]:
         states = 16 * large_run.params / stages / 1e9
         raise Feedback(f"{replicas} x {stages} needs {row['GB per worker']} GB per worker, more than the "
                        f"{large_run.memory / 1e9:.0f} GB each has: {states:.1f} GB of model states (16 bytes per parameter "
                        f"over {stages} stage(s)) and {row['GB per worker'] - states:.1f} GB of activations and kept "
-                       f"inputs")
+                       f"inputs{swapped}")
     if row["step s"] > best["step s"] + 1e-9:
         why = (f"more replicas at this global batch leave each fewer micro-batches, but fewer stages too: the "
                f"fill and drain shrink by more than the all-reduce ({best['all-reduce s']} s) costs"
@@ -822,7 +1125,7 @@ def check_layout(choice: tuple, large_run) -> str:
                f"here the all-reduce of {replicas} replicas ({row['all-reduce s']} s) costs more than the bubble it "
                f"saves")
         raise Feedback(f"{replicas} x {stages} fits ({row['GB per worker']} GB) and takes {row['step s']} s a step, "
-                       f"but {best['D']} x {best['K']} also fits and takes {best['step s']} s: {why}")
+                       f"but {best['D']} x {best['K']} also fits and takes {best['step s']} s: {why}{swapped}")
     return (f"✓ {replicas} x {stages}: fits ({row['GB per worker']} GB per worker) and is the fastest layout that "
             f"does ({row['step s']} s a step, bubble {row['bubble']})")
 
@@ -837,8 +1140,7 @@ def _written(text, name: str, stages: int, micro_batches: int, checkpoint: str =
     """The schedule and the engine's report of a text answer; Feedback with the engine's words if it
     refuses it (or its text is not a schedule)."""
     _attempted(text, name)
-    if isinstance(text, schedules.Schedule):
-        text = schedule_writer.format(text)
+    text = _as_text(text)
     if not isinstance(text, str):
         raise Feedback(f"got {type(text).__name__} {text!r:.60}: {SAYS['schedule text']}")
     try:
@@ -852,6 +1154,21 @@ def _written(text, name: str, stages: int, micro_batches: int, checkpoint: str =
     except ValueError as error:
         family = "still deadlocks" if "deadlocks" in str(error) and name == "FIXED" else "engine refuses"
         raise Feedback(f"{error}: {SAYS[family]}") from None
+
+
+def _as_text(answer):
+    """A schedule given as the engine builds it (a Schedule, or one list of Tasks per stage, as
+    engine.schedule.one_f_one_b returns) or as lists of task names per stage, in the text `parse`
+    reads; anything else as it is."""
+    if isinstance(answer, str) or not isinstance(answer, (list, tuple)) or not answer:
+        return answer
+    if not all(isinstance(stage, (list, tuple)) for stage in answer):
+        return answer
+    if all(isinstance(task, schedules.Task) for stage in answer for task in stage):
+        return schedule_writer.format(answer)
+    if all(isinstance(task, str) for stage in answer for task in stage):
+        return "\n".join(f"stage {k}: {' '.join(stage)}" for k, stage in enumerate(answer))
+    return answer
 
 
 def _unit_cost(report) -> str:
@@ -876,6 +1193,7 @@ def check_written_1f1b(text) -> str:
 def check_deadlock_fix(text) -> str:
     """FIXED: the schedule BROKEN (K=3, M=4, no recompute) reordered so that it runs, as text."""
     _attempted(text, "FIXED")
+    text = _as_text(text)
     given = schedule_writer.parse(BROKEN)
     if isinstance(text, str):
         try:

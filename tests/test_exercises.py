@@ -1,7 +1,9 @@
 """The lessons' checks accept right answers however a learner's numbers come (Python, numpy,
 torch), reject every mutation of the reference answers with the sentence of its mistake's family,
 and never raise, whatever they are given."""
+import decimal
 import fractions
+import time
 from itertools import accumulate
 
 import numpy as np
@@ -18,6 +20,13 @@ from lab import exercises
 from lab.schedule_writer import format, parse
 
 SAYS = exercises.SAYS
+
+
+@pytest.fixture(autouse=True)
+def one_second_per_answer(monkeypatch):
+    """A learner's function gets 1 s of CPU here, not a lesson's 5: the answers that never return
+    are stopped sooner, and every right one takes a few milliseconds."""
+    monkeypatch.setattr(exercises, "CALL_SECONDS", 1.0)
 
 
 def bubble(k, m):
@@ -50,9 +59,95 @@ def accumulate_with(scale=lambda i, m, xs: 1 / m, zero_inside=False, cut=torch.T
 
 
 def doubled_inputs(model, x, y, loss_fn, micro):
-    """Each micro-batch fed twice its inputs: gradients that are no weighting of the micro-batches' own."""
+    """Each micro-batch fed twice its inputs."""
     for xs, ys in zip(x.chunk(micro), y.chunk(micro)):
         (loss_fn(model(2 * xs), ys) / micro).backward()
+
+
+def shifted_inputs(model, x, y, loss_fn, micro):
+    """Each micro-batch's inputs moved by 1: gradients that are no weighting of the micro-batches' own."""
+    for xs, ys in zip(x.chunk(micro), y.chunk(micro)):
+        (loss_fn(model(xs + 1), ys) / micro).backward()
+
+
+def scaled_logits(model, x, y, loss_fn, micro):
+    for xs, ys in zip(x.chunk(micro), y.chunk(micro)):
+        loss_fn(model(xs) / micro, ys).backward()
+
+
+def one_backward(model, x, y, loss_fn, micro):
+    """The right sum, differentiated once: autograd holds every micro-batch's graph until then."""
+    sum(loss_fn(model(xs), ys) / micro for xs, ys in zip(x.chunk(micro), y.chunk(micro))).backward()
+
+
+def gradients_not_kept(model, x, y, loss_fn, micro):
+    for xs, ys in zip(x.chunk(micro), y.chunk(micro)):
+        torch.autograd.grad(loss_fn(model(xs), ys) / micro, list(model.parameters()))
+
+
+def summed_by_hand(model, x, y, loss_fn, micro):
+    """Right, in another form: each micro-batch's gradients from autograd.grad, added up into .grad."""
+    parameters = list(model.parameters())
+    total = [torch.zeros_like(p) for p in parameters]
+    for xs, ys in zip(x.chunk(micro), y.chunk(micro)):
+        for t, g in zip(total, torch.autograd.grad(loss_fn(model(xs), ys) / micro, parameters)):
+            t += g
+    for p, t in zip(parameters, total):
+        p.grad = t
+
+
+def kept_on_the_host(block, x):
+    """Activations kept (moved to host memory), nothing recomputed: the learner's own saved-tensor
+    hooks hide them from the check's."""
+    with torch.autograd.graph.save_on_cpu():
+        return block(x)
+
+
+def scaled_by_integer_division(model, x, y, loss_fn, micro):
+    for xs, ys in zip(x.chunk(micro), y.chunk(micro)):
+        (loss_fn(model(xs), ys) * (1 // micro)).backward()
+
+
+def forwards_without_grad(model, x, y, loss_fn, micro):
+    for xs, ys in zip(x.chunk(micro), y.chunk(micro)):
+        with torch.no_grad():
+            loss = loss_fn(model(xs), ys) / micro
+        try:
+            loss.backward()
+        except RuntimeError:
+            pass
+
+
+def assigned_not_added(model, x, y, loss_fn, micro):
+    for xs, ys in zip(x.chunk(micro), y.chunk(micro)):
+        grads = torch.autograd.grad(loss_fn(model(xs), ys) / micro, list(model.parameters()))
+        for p, g in zip(model.parameters(), grads):
+            p.grad = g
+
+
+def printed_bubble(k, m):
+    print((k - 1) / (m + k - 1))
+
+
+def frozen_stage(block, x):
+    return checkpoint(block.requires_grad_(False), x, use_reentrant=False)
+
+
+def never_returns(*_):
+    while True:
+        pass
+
+
+def greedy_that_never_advances(costs, k):
+    """A greedy cut whose loop waits for a layer it can never take (one costlier than total/K)."""
+    counts, i = [], 0
+    while len(counts) < k:
+        stage = 0
+        while i < len(costs) and sum(costs[i - stage:i + 1]) <= sum(costs) / k:
+            i, stage = i + 1, stage + 1
+        if stage:
+            counts.append(stage)
+    return counts
 
 
 def no_grad_stage(block, x):
@@ -100,13 +195,23 @@ MUTANTS = [
     (exercises.check_training_bytes, lambda p: 8 * p, "weights and gradients"),
     (exercises.check_training_bytes, lambda p: 12 * p, "one moment"),
     (exercises.check_training_bytes, lambda p: 16 * 8 * p, "bits"),
-    (exercises.check_training_bytes, lambda p: 16 * p / 2 ** 20, "megabytes"),
+    (exercises.check_training_bytes, lambda p: 16 * p / 2 ** 20, "mebibytes"),
+    (exercises.check_training_bytes, lambda p: 16 * p / 1e6, "megabytes"),
+    (exercises.check_training_bytes, lambda p: 16 * p / 1e3, "kilobytes"),
+    (exercises.check_training_bytes, lambda p: 16 * p / 1024, "kibibytes"),
+    (exercises.check_training_bytes, lambda p: 16 * p / 1e9, "gigabytes"),
+    (exercises.check_training_bytes, lambda p: 16 * p / 2 ** 30, "gibibytes"),
+    (exercises.check_training_bytes, lambda p: 4 * p / 2 ** 30, "weights alone"),   # in GiB too: both are said
+    (exercises.check_training_bytes, lambda p: 4 * 4 * 4 * p, "four bytes twice"),
+    (exercises.check_training_bytes, lambda p: 17 * p, "no pattern"),
     (exercises.check_training_bytes, lambda p: 16, "constant"),
     (exercises.check_naive_bubble, lambda k: 1 / k, "busy share"),
     (exercises.check_naive_bubble, lambda k: (k - 1) // k, "integer division"),
     (exercises.check_naive_bubble, lambda k: 100 * (k - 1) / k, "percent"),
     (exercises.check_naive_bubble, lambda k: k - 1, "idle slots"),
     (exercises.check_naive_bubble, lambda k: 0.5, "constant"),
+    (exercises.check_naive_bubble, lambda k: k - 1 / k, "precedence"),
+    (exercises.check_naive_bubble, lambda k: k / (k - 1) if k > 1 else 0, "no pattern"),
     (exercises.check_bubble, lambda k, m: m / (m + k - 1), "busy share"),
     (exercises.check_bubble, lambda k, m: (k - 1) / m, "divided by M"),
     (exercises.check_bubble, lambda k, m: (k - 1) / (m + k), "off by one slot"),
@@ -115,12 +220,20 @@ MUTANTS = [
     (exercises.check_bubble, lambda k, m: 100 * bubble(k, m), "percent"),
     (exercises.check_bubble, lambda k, m: bubble(m, k), "swapped"),
     (exercises.check_bubble, lambda k, m: 0.2, "constant"),
+    (exercises.check_bubble, lambda k, m: k - 1 / (m + k - 1), "precedence"),
+    (exercises.check_bubble, lambda k, m: (k - 1) / m + k - 1, "precedence"),
+    (exercises.check_bubble, lambda k, m: round(bubble(k, m), 2), "rounded"),
+    (exercises.check_bubble, lambda k, m: k / (m + k), "one variable off"),   # K+1 for K
+    (exercises.check_bubble, lambda k, m: bubble(k, m) if m >= k else 0.5, "no pattern"),
     (exercises.check_ideal_speedup, lambda k, m: k, "forgets the bubble"),
     (exercises.check_ideal_speedup, lambda k, m: m / (m + k - 1), "one device's share"),
     (exercises.check_ideal_speedup, lambda k, m: k * bubble(k, m), "bubble times K"),
     (exercises.check_ideal_speedup, lambda k, m: k * m / (m + k), "off by one slot"),
     (exercises.check_ideal_speedup, lambda k, m: k * m // (m + k - 1), "integer division"),
     (exercises.check_ideal_speedup, lambda k, m: 4.0, "constant"),
+    (exercises.check_ideal_speedup, lambda k, m: (m + k - 1) / (k * m), "inverse"),
+    (exercises.check_ideal_speedup, lambda k, m: k * m / m + k - 1, "precedence"),
+    (exercises.check_ideal_speedup, lambda k, m: speedup(k, m) if m >= k else 1, "no pattern"),
     (exercises.check_in_flight, lambda k, s: k - 1 - s, "one less held"),
     (exercises.check_in_flight, lambda k, s: s + 1, "counted from the end"),
     (exercises.check_in_flight, lambda k, s: k, "same on every stage"),
@@ -137,6 +250,11 @@ MUTANTS = [
     (exercises.check_bubble_ms, lambda k, m, f, b: k * (f + b), "off by one slot"),
     (exercises.check_bubble_ms, lambda k, m, f, b: (k - 1) * (f + b) // 1, "integer division"),
     (exercises.check_bubble_ms, lambda k, m, f, b: 3.0, "constant"),
+    (exercises.check_bubble_ms, lambda k, m, f, b: (k - 1) * (f + b) / 1000, "seconds"),
+    (exercises.check_bubble_ms, lambda k, m, f, b: (k - 1) * (f + b) * 1000, "microseconds"),
+    (exercises.check_bubble_ms, lambda k, m, f, b: (k - 1) * f / 1000, "fill only"),   # in seconds too
+    (exercises.check_bubble_ms, lambda k, m, f, b: (k - 1) * f + b, "precedence"),
+    (exercises.check_bubble_ms, lambda k, m, f, b: (k - 1) * (f + b) if m > 2 else 0.0, "no pattern"),
     (exercises.check_fill_drain, lambda k, m: fill_drain(k, m)[0], "flat list"),
     (exercises.check_fill_drain, lambda k, m: fill_drain(m, k), "K and M swapped"),
     (exercises.check_fill_drain, lambda k, m: [[f"F{i + 1}" for i in range(m)] + [f"B{i + 1}" for i in reversed(range(m))]
@@ -167,6 +285,14 @@ MUTANTS = [
      "different output"),
     (exercises.check_checkpointed_stage, lambda block, x: block, "not a tensor"),
     (exercises.check_checkpointed_stage, drifting_recompute, "different gradients"),
+    (exercises.check_checkpointed_stage, frozen_stage, "frozen block"),
+    (exercises.check_checkpointed_stage, kept_on_the_host, "kept, not recomputed"),
+    (exercises.check_checkpointed_stage, lambda block, x: [block(x), checkpoint(block, x, use_reentrant=False)][1],
+     "kept activations"),   # the plain forward's activations were held until its output went
+    (exercises.check_checkpointed_stage,
+     lambda block, x: checkpoint(block, x, use_reentrant=False).detach().requires_grad_(), "detached output"),
+    (exercises.check_checkpointed_stage, lambda block, x: block[7](checkpoint(block[:7], x, use_reentrant=False)),
+     "kept activations"),
     (exercises.check_accumulation, lambda model, x, y, loss_fn, micro: loss_fn(model(x), y).backward(), "whole batch"),
     (exercises.check_accumulation, accumulate_with(scale=lambda i, m, xs: 1), "unscaled"),
     (exercises.check_accumulation, accumulate_with(scale=lambda i, m, xs: 1 / m ** 2), "scaled twice"),
@@ -179,7 +305,17 @@ MUTANTS = [
     (exercises.check_accumulation, accumulate_with(scale=lambda i, m, xs: 1 / m if i % 2 else 0.5 / m),
      "uneven weights"),
     (exercises.check_accumulation, accumulate_with(scale=lambda i, m, xs: 1 / m, zero_after=True), "zeroed after"),
-    (exercises.check_accumulation, doubled_inputs, "different accumulation"),
+    (exercises.check_accumulation, doubled_inputs, "scaled inputs"),
+    (exercises.check_accumulation, shifted_inputs, "different accumulation"),
+    (exercises.check_accumulation, scaled_logits, "scaled logits"),
+    (exercises.check_accumulation, one_backward, "graphs held"),
+    (exercises.check_accumulation, gradients_not_kept, "autograd.grad"),
+    (exercises.check_accumulation, scaled_by_integer_division, "scaled by zero"),
+    (exercises.check_accumulation, forwards_without_grad, "forward without grad"),
+    (exercises.check_accumulation, assigned_not_added, "zero_grad inside"),
+    (exercises.check_bubble, printed_bubble, "printed"),
+    (exercises.check_ideal_speedup, lambda k, m: 100 * speedup(k, m), "ratio as percent"),
+    (exercises.check_bubble_ms, lambda k, m, f, b: (k - 1) * b, "drain only"),
     (exercises.check_accumulation, lambda model, x, y, loss_fn, micro: [loss_fn(model(xs), ys) for xs, ys in
                                                                         zip(x.chunk(micro), y.chunk(micro))],
      "no backward"),
@@ -193,6 +329,11 @@ MUTANTS = [
      "stage costs"),
     (exercises.check_best_cut, lambda costs, k: max(exercises._stage_costs(costs, solve(costs, k))), "cut shape"),
     (exercises.check_best_cut, lambda costs, k: [str(n) for n in solve(costs, k)], "cut shape"),
+    (exercises.check_best_cut, greedy_that_never_advances, "too long"),
+    (exercises.check_best_cut, lambda costs, k: [len(a) for a in np.array_split(costs, k)], "equal counts"),
+    (exercises.check_best_cut, lambda costs, k: [len(costs) // k] * (k - 1) + [len(costs) - (k - 1) * (len(costs) // k)],
+     "equal counts"),
+    (exercises.check_bubble, never_returns, "too long"),
 ]
 FORMULA_CHECKS = (exercises.check_training_bytes, exercises.check_naive_bubble, exercises.check_bubble,
                   exercises.check_ideal_speedup, exercises.check_in_flight, exercises.check_boundary_bytes,
@@ -286,10 +427,53 @@ def test_right_answers_in_other_shapes_pass():
     for shape in (np.array, torch.tensor, tuple, lambda c: [float(n) for n in c], lambda c: (n for n in c)):
         assert exercises.check_best_cut(lambda costs, k: shape(solve(costs, k))).startswith("✓")
     assert exercises.check_checkpointed_stage(lambda block, x: checkpoint(block, x, use_reentrant=True)).startswith("✓")
+    assert exercises.check_checkpointed_stage(lambda block, x: checkpoint(block, x.clone(), use_reentrant=False)
+                                              ).startswith("✓")
+    assert exercises.check_accumulation(summed_by_hand).startswith("✓")
+    for schedule in (one_f_one_b(4, 8, "never"), [[str(t) for t in tasks] for tasks in one_f_one_b(4, 8, "never")]):
+        assert exercises.check_written_1f1b(schedule).startswith("✓")
+    assert exercises.check_split_schedule(zb_h1(4, 8, "never")).startswith("✓")
 
-    def one_backward(model, x, y, loss_fn, micro):   # the same sum, differentiated once
-        sum(loss_fn(model(xs), ys) / micro for xs, ys in zip(x.chunk(micro), y.chunk(micro))).backward()
-    assert exercises.check_accumulation(one_backward).startswith("✓")
+
+@pytest.mark.parametrize("right", [
+    lambda k, m: decimal.Decimal(k - 1) / decimal.Decimal(m + k - 1),
+    lambda k, m: torch.tensor(bubble(k, m), dtype=torch.float16),
+    lambda k, m: torch.tensor(bubble(k, m), dtype=torch.bfloat16),
+    lambda k, m: np.float16(bubble(k, m)), lambda k, m: torch.tensor([[bubble(k, m)]], dtype=torch.float64)],
+    ids=["Decimal", "float16", "bfloat16", "numpy float16", "1x1 tensor"])
+def test_a_number_in_any_precision_is_judged_to_its_own_precision(right):
+    assert exercises.check_bubble(right).startswith("✓")
+
+
+def test_a_function_that_does_not_return_is_stopped_and_told_so(monkeypatch):
+    """Bounded by the learner's own CPU time (5 s in a lesson), so a busy host does not stop a slow
+    right answer, and by 60 s in all for a loop that sleeps."""
+    monkeypatch.setattr(exercises, "CALL_SECONDS", 0.5)
+    monkeypatch.setattr(exercises, "WAIT_SECONDS", 2.0)
+    said = exercises.check_best_cut(greedy_that_never_advances)
+    assert said.startswith("✗") and "did not return within 0.5 s" in said and SAYS["too long"] in said, said
+
+    def sleeps(k, m):
+        while True:
+            time.sleep(0.01)
+    said = exercises.check_bubble(sleeps)
+    assert said.startswith("✗") and SAYS["too long"] in said, said
+    assert exercises.check_bubble(bubble).startswith("✓"), "the watcher has stopped: nothing is raised later"
+    time.sleep(0.3)
+
+
+def test_one_wrong_weight_for_every_micro_batch_is_said_in_the_exercises_numbers():
+    said = exercises.check_accumulation(accumulate_with(scale=lambda i, m, xs: float(m)))
+    assert "that is micro (M), multiplied instead of divided" in said and SAYS["wrong scale"] in said, said
+    said = exercises.check_accumulation(accumulate_with(scale=lambda i, m, xs: 1 / 24))
+    assert "1 / the batch's size" in said, said
+
+
+def test_a_wrong_formula_with_no_known_mistake_shows_every_case():
+    said = exercises.check_ideal_speedup(lambda k, m: speedup(k, m) if m >= k else 1)
+    rows = said.splitlines()[1:]
+    assert rows[0].split() == ["K", "M", "expected", "yours"] and len(rows) == 1 + len(exercises.IDEAL_SPEEDUP.cases)
+    assert [row.split()[:2] for row in rows if row.endswith("✗")] == [["4", "2"]], said
 
 
 JUNK = [3, 2.5, None, "an answer", b"bytes", [1, 2], {}, (x for x in range(3)), torch.ones(3), np.arange(4),
@@ -343,7 +527,8 @@ def test_the_layout_check_weighs_memory_then_time():
     assert "GB per worker, more than the 80 GB" in exercises.check_layout((8, 1), selective)
     assert "but 2 x 4 also fits" in exercises.check_layout((1, 8), selective)
     assert "needs 95.0 GB per worker" in exercises.check_layout((2, 4), LargeRun())
-    assert SAYS["layout swapped"] in exercises.check_layout((4, 2), selective)
+    said = exercises.check_layout((4, 2), selective)   # a real layout that does not fit, or 2 x 4 swapped
+    assert "4 x 2 needs 123.9 GB per worker" in said and SAYS["layout swapped"] in said, said
     assert SAYS["layout shape"] in exercises.check_layout("2x4", selective)
     assert SAYS["layout shape"] in exercises.check_layout((2, 4.5), selective)
     assert exercises.check_layout(..., selective).startswith("… not attempted yet")
