@@ -27,7 +27,8 @@ from . import processes, replay
 from .config import MEASURE_WARMUP, RunConfig
 from .experiments import RunRecord, build, choose_balance, parallel_devices, pipeline, run, solo_events
 
-# The recompute setting of every speedup table: each micro-batch re-materialized, as in the paper.
+# The recompute setting of every speedup table: each micro-batch re-materialized (GPipe as the
+# paper describes it, §2.3).
 # One setting for the whole table; "except_last" would recompute nothing at M=1 and 31 of 32
 # micro-batches at M=32, so rows would differ in work, not only in M.
 TABLE_CHECKPOINT = "always"

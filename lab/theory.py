@@ -22,22 +22,24 @@ PAPER_SPEEDUP = PAPER_TABLE2["Transformer-48"]
 # normalized to K=2 for each model.
 PAPER_TABLE3 = {"AmoebaNet-D (18, 128)": {2: 1.0, 4: 1.7, 8: 2.7}, "Transformer-24": {2: 1.0, 4: 1.8, 8: 3.3}}
 # Why Table 2's cells sit where they do against the lab's unit-cost model (`why_cells_exceed`):
-# the model put on the paper's scale (`on_paper_scale`), then the paper's own account of its
-# overhead (§3.1 and Table 4).
+# the model put on the paper's scale (`on_paper_scale`), then what the paper says that bears on
+# them (§2.3, §3 and Table 2's caption).
 PAPER_VS_MODEL = ("K·M/(M+K-1) is the unit-cost ideal without recompute: equal stages, free transfers and the same "
-                  "work in every cell. The paper recomputes every micro-batch, and with recompute the lab's unit-cost "
-                  "timeline (forward 1, recompute 1, backward 2) differs: a stage can recompute a micro-batch while "
-                  "the next stage still runs its backward, which one device cannot do, but every cell does a third "
-                  "more work. Put on the paper's scale (over the same model's K=2, M=1 cell, the one normalization "
-                  "of these tables) that model gives {m4k4:.2f} and {m4k8:.2f} at M=4, {m32k4:.2f} and {m32k8:.2f} "
-                  "at M=32, for K=4 and 8. The paper's Transformer is above it in all four cells ({t4m4}, {t8m4}, "
-                  "{t4m32}, {t8m32}), by far at M=4; its AmoebaNet is below it in the same cells, held back by uneven "
-                  "layers. So the lab's model does not account for the Transformer's cells. The paper's own account "
-                  "of its overheads (§3.1, Table 4): recomputation took up to about 23% of a step's time, and the "
-                  "measured bubble was smaller than the formula's because recomputation was scheduled early, "
-                  "without waiting for the gradients from the next stage. Table 2's caption adds that the batch "
-                  "size was adjusted where memory required it, so the cells did not all do the same work. The "
-                  "paper does not say how much each contributed, and the lab does not guess")
+                  "work in every cell. The paper describes GPipe with re-materialization (§2.3), and the lab's model "
+                  "assumes Table 2's runs recomputed every micro-batch. With recompute the lab's unit-cost timeline "
+                  "(forward 1, recompute 1, backward 2) differs: a stage can recompute a micro-batch while the next "
+                  "stage still runs its backward, which one device cannot do, but every cell does a third more work. "
+                  "Put on the paper's scale (over the same model's K=2, M=1 cell, the one normalization of these "
+                  "tables) that model gives {m4k4:.2f} and {m4k8:.2f} at M=4, {m32k4:.2f} and {m32k8:.2f} at M=32, "
+                  "for K=4 and 8. The paper's Transformer is above it in all four cells ({t4m4}, {t8m4}, {t4m32}, "
+                  "{t8m32}), by far at M=4; its AmoebaNet is below it in the same cells, held back, the paper says, "
+                  "by computation unevenly spread over its layers (§3). So the lab's model does not account for "
+                  "the Transformer's cells. What the paper says that bears on them: it found the bubble overhead "
+                  "negligible when M ≥ 4K, partly because recomputation in the backward pass can be scheduled "
+                  "early, before the gradients from the layers above arrive (§2.3), the overlap the lab's model "
+                  "already counts; and Table 2's caption says the batch size was adjusted to fit memory where "
+                  "necessary, so the cells did not all do the same work. The paper does not say how much either "
+                  "moved a cell, and the lab does not guess")
 # Table 1: on TPUv3 cores with 16 GB each, re-materialization alone lets one core hold a 2.7x
 # larger Transformer.
 PAPER_REMAT_GROWTH = 2.7
@@ -61,7 +63,7 @@ def ideal_speedup(stages: int, micro_batches: int) -> float:
 
 
 def micro_batches_for_small_bubble(stages: int) -> int:
-    """The paper's rule of thumb: M >= 4K makes the bubble negligible ((K-1)/(5K-1) < 20% at M = 4K)."""
+    """The paper's rule of thumb (§2.3): M >= 4K makes the bubble negligible ((K-1)/(5K-1) < 20% at M = 4K)."""
     return 4 * stages
 
 
@@ -125,7 +127,8 @@ def recompute_overlap_speedup(stages: int, micro_batches: int, checkpoint: str =
 def on_paper_scale(stages: int, micro_batches: int, checkpoint: str = "always",
                    shares: Optional[Sequence[float]] = None) -> float:
     """The unit-cost model's throughput at (K, M) over its own K=2, M=1 cell: the normalization of
-    the paper's Table 2, with every micro-batch recomputed as the paper did. Without recompute it
+    the paper's Table 2, with every micro-batch recomputed, as the lab assumes of Table 2's runs
+    (the paper describes GPipe with re-materialization, §2.3). Without recompute it
     is K*M/(M+K-1) itself (whose K=2, M=1 cell is 1), the unit-cost ideal. The one scale on which
     the lessons, the app and `lab.reproduce` compare the paper's cells with the model. `shares`:
     the stages' shares of the work, for an uneven cut (time_vs_one_device)."""
@@ -134,7 +137,7 @@ def on_paper_scale(stages: int, micro_batches: int, checkpoint: str = "always",
 
 def why_cells_exceed() -> str:
     """The paper's Table 2 cells against the unit-cost model on the paper's scale, in this model's
-    own numbers, with the paper's own explanation of its overheads."""
+    own numbers, with what the paper says that bears on them."""
     return PAPER_VS_MODEL.format(m4k4=on_paper_scale(4, 4), m4k8=on_paper_scale(8, 4), m32k4=on_paper_scale(4, 32),
                                  m32k8=on_paper_scale(8, 32), t4m4=PAPER_SPEEDUP[(4, 4)], t8m4=PAPER_SPEEDUP[(8, 4)],
                                  t4m32=PAPER_SPEEDUP[(4, 32)], t8m32=PAPER_SPEEDUP[(8, 32)])
