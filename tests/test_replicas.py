@@ -12,7 +12,9 @@ import pytest
 import torch
 
 from engine import GPipe
+from engine.distributed import replicas
 from engine.distributed.replicas import buckets
+from engine.transport import StageFailed
 from lab.launch import two_nodes
 from conftest import mlp
 from launch import shm_left, shm_prefix
@@ -70,6 +72,8 @@ def test_an_exception_in_one_replica_is_raised_on_all_four_ranks_within_5_second
     assert raised[3]["message"].startswith("[replica 1, rank 3, stage 1, micro-batch 0, forward (F0)] boom in replica 1")
     assert all(raised[r]["raised"] == "StageFailed" and "boom in replica 1" in raised[r]["message"] for r in (0, 1, 2))
     assert max(r["at"] for r in raised.values()) - failed_at < 5
+    after = [r["after"] for r in reports_in(tmp_path) if "after" in r]
+    assert len(after) == 4 and all("data-parallel group is abandoned" in (said or "") for said in after), after
 
 
 @pytest.mark.timeout(120)
@@ -124,3 +128,20 @@ def test_gradients_go_in_buckets_of_one_dtype_and_bounded_size():
 def test_data_parallel_needs_stages_as_processes():
     with pytest.raises(ValueError, match="data_parallel= needs group= too"):
         GPipe(mlp(), 2, data_parallel=object())
+
+
+def test_a_failed_call_aborts_an_nccl_data_parallel_group_once_and_refuses_the_next_call(monkeypatch):
+    """What a GPU host does after a failed step (NCCL is faked here: gloo needs no abort): the group's
+    sums in flight are aborted, so no kernel waits for a replica that stopped, and no call follows."""
+    aborted = []
+    monkeypatch.setattr(replicas, "nccl_in", lambda group: group == "dp over NCCL")
+    monkeypatch.setattr(replicas, "abort_group", aborted.append)
+    for group in ("dp over NCCL", "dp over gloo"):
+        stage = object.__new__(replicas.Replicas)
+        stage.group, stage.broken = group, False
+        stage.require_whole()
+        stage.abandon()
+        stage.abandon()
+        with pytest.raises(StageFailed, match="data-parallel group is abandoned"):
+            stage.require_whole()
+    assert aborted == ["dp over NCCL"]

@@ -17,6 +17,8 @@ import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from ..transport import StageFailed
+from .gloo_lane import abort_group
+from .transport import nccl_in
 from .works import until_completed
 
 BUCKET_BYTES = 25 * 2 ** 20   # as DistributedDataParallel: large enough to amortize a call, small enough to overlap
@@ -61,12 +63,27 @@ class Replicas:
             raise ValueError("data_parallel= must be a process group this rank belongs to (the same stage of every "
                              "pipeline), e.g. init_device_mesh(..., mesh_dim_names=('dp', 'pp')).get_group('dp')")
         self.group, self.size, self.index = group, dist.get_world_size(group), dist.get_rank(group)
+        self.broken = False   # a call failed: sums in flight with the other replicas will never match
         members = dist.get_process_group_ranks(group)
         store.set(f"stage-of/{dist.get_rank()}", str(stage))
         stages = {member: int(store.get(f"stage-of/{member}")) for member in members}
         if len(set(stages.values())) != 1:
             raise ValueError(f"the data_parallel group must hold the same stage of each pipeline; its ranks run stages "
                              f"{stages} (global rank: stage): check the order of the mesh's dimensions, ('dp', 'pp')")
+
+    def abandon(self) -> None:
+        """A call failed: the sums in flight will not complete (a replica stopped, or stops now). Abort
+        them where NCCL runs them (kernels waiting for a peer would hold the GPU, and the next pipe's
+        synchronize, forever); with gloo a stale sum could meet the next call's. No call follows."""
+        if not self.broken and nccl_in(self.group):
+            abort_group(self.group)
+        self.broken = True
+
+    def require_whole(self) -> None:
+        """Refuse a call after one failed (`abandon`): its group cannot be trusted again."""
+        if self.broken:
+            raise StageFailed("an earlier call failed while this stage's replicas summed their gradients, so their "
+                              "data-parallel group is abandoned: close this pipe, make new groups and a new pipe")
 
     def start(self, parameters: list[torch.Tensor], shard: int) -> Pending:
         """Start summing (shard size x gradient) over the replicas, bucket by bucket (None counts as zeros)."""

@@ -69,11 +69,15 @@ class RankRunner:
     @contextmanager
     def calling(self):
         """One call on this rank: a failure here is named and told to every rank; state is dropped after."""
+        if self.replicas is not None:
+            self.replicas.require_whole()
         self.transport.begin(self.calls)
         self.calls += 1
         try:
             yield
         except BaseException as error:
+            if self.replicas is not None:  # its sums in flight will never match now
+                self.replicas.abandon()
             if not isinstance(error, StageFailed):
                 if not str(error.args[0] if error.args else "").startswith(f"[{self.prefix}"):
                     name_place(error, self.ranks.rank, None, prefix=self.prefix)
