@@ -78,7 +78,7 @@ class StageServer:
     def _ping(self, count: int, numel: int) -> float:
         """Round trips with the other stage process, through the pipe's transport, as a call of its own."""
         transport = self.pipe.runner.side_call()
-        value, peer = torch.zeros(numel), 1 - self.rank
+        value, peer = torch.zeros(numel, device=self.device), 1 - self.rank  # on NCCL edges, a GPU tensor
         start = time.perf_counter()
         for number in range(count):
             if self.rank == 0:

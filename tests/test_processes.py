@@ -316,8 +316,9 @@ def test_a_recipe_from_main_or_a_notebook_is_refused_with_a_hint(pools):
 def test_nccl_stages_on_two_gpus_match_threads(tmp_path):
     result, reports = run_torchrun(["--standalone", "--nproc-per-node", "2", str(ROOT / "tests" / "distributed_cuda.py")],
                                    170, tmp_path)
+    from lab.doctor import GPU_TOLERANCE
     assert result.returncode == 0, result.stderr[-3000:]
-    assert [r["bitwise"] for r in reports] == [True, True]
+    assert len(reports) == 2 and all(r["apart"] <= GPU_TOLERANCE for r in reports), reports
 
 
 @pytest.mark.timeout(120)
