@@ -416,25 +416,35 @@ def show_writer(record: RunRecord, config: RunConfig) -> None:
     micro = micro_batch_count(config)
     left, right = st.columns([1, 3])
     name = left.selectbox("start from", schedule_writer.PRESETS, key="writer_preset")
-    wanted = (name, config.stages, micro, config.checkpoint)
-    if st.session_state.get("writer_for") != wanted:  # a new preset or setting: its text replaces the box's
+    wanted, before = (name, config.stages, micro, config.checkpoint), st.session_state.get("writer_for")
+    if before != wanted:  # a new preset, or new settings for a preset's text nobody edited: the preset's text
         st.session_state["writer_for"] = wanted
-        try:
-            st.session_state["writer_text"] = schedule_writer.preset(name, config.stages, micro, config.checkpoint)
-        except ValueError as error:
-            left.warning(f"{name} at these settings: {error}")
+        edited = st.session_state.get("writer_text") != st.session_state.get("writer_preset_text")
+        if before is not None and before[0] == name and edited:
+            left.info(f"Your text stays as you wrote it, for K = {before[1]}, M = {before[2]}; pick a preset to "
+                      f"start again from one at these settings.")
+        else:
+            try:
+                st.session_state["writer_text"] = st.session_state["writer_preset_text"] = schedule_writer.preset(
+                    name, config.stages, micro, config.checkpoint)
+            except ValueError as error:
+                left.warning(f"{name} at these settings: {error}")
     text = right.text_area(f"the schedule (K = {config.stages}, M = {micro}, checkpoint '{config.checkpoint}')",
                            key="writer_text", height=40 + 28 * config.stages, max_chars=schedule_writer.MAX_CHARS)
     verdict = schedule_writer.examine(text, micro, config.checkpoint)
     (st.success if verdict.legal else st.error)(verdict.line)
     if not verdict.legal:
         return
-    predicted = [schedule_writer.unit_cost(verdict.schedule),
-                 schedule_writer.replayed(verdict.schedule, record.solo_events or record.events, config.virtual_stages)]
+    fits = len(verdict.schedule) == config.stages   # this setting's measured tasks can replay it, and it can run
+    predicted = [schedule_writer.unit_cost(verdict.schedule)]
+    if fits:
+        predicted.append(schedule_writer.replayed(verdict.schedule, record.solo_events or record.events,
+                                                  config.virtual_stages))
     st.plotly_chart(charts.stacked_gantt(predicted, [f"{line.label}: bubble {line.bubble:.0%}" for line in predicted]),
                     key="writer_predicted")
-    if len(verdict.schedule) != config.stages:
-        st.info(f"It has {len(verdict.schedule)} stages: set K = {len(verdict.schedule)} in the sidebar to run it.")
+    if not fits:
+        st.info(f"It has {len(verdict.schedule)} stages, these settings {config.stages}: set K = "
+                f"{len(verdict.schedule)} in the sidebar to replay it on measured tasks and run it.")
         return
     if not st.button("run it", key="writer_run"):
         return

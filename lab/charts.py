@@ -127,10 +127,13 @@ def waterfall(parts: dict[str, float], step: float, title: str, start: Optional[
 
 
 def stacked_gantt(timelines: Sequence[Timeline], titles: Sequence[str]) -> go.Figure:
-    """Several Gantt charts, one under the other on one shared time axis (same scale and units),
-    so that schedules of the same step compare at a glance; one legend for all."""
-    figure = make_subplots(rows=len(timelines), cols=1, shared_xaxes=True, subplot_titles=list(titles),
-                           vertical_spacing=0.06)
+    """Several Gantt charts, one under the other, so that schedules of the same step compare at a
+    glance; one legend for all. Timelines in one unit share one time axis (same scale); in several
+    (unit costs beside milliseconds) each keeps its own, labelled with its unit."""
+    units = ["ms" if line.unit == "s" else line.unit for line in timelines]
+    shared = len(set(units)) <= 1
+    figure = make_subplots(rows=len(timelines), cols=1, shared_xaxes=shared, subplot_titles=list(titles),
+                           vertical_spacing=0.06 if shared else 0.12)
     shown: set[str] = set()
     for row, line in enumerate(timelines, start=1):
         single = gantt(line)
@@ -139,11 +142,12 @@ def stacked_gantt(timelines: Sequence[Timeline], titles: Sequence[str]) -> go.Fi
             shown.add(trace.name)
             figure.add_trace(trace, row=row, col=1)
         figure.update_yaxes(categoryorder="array", categoryarray=single.layout.yaxis.categoryarray, row=row, col=1)
-    unit = "ms" if timelines and timelines[0].unit == "s" else (timelines[0].unit if timelines else "")
     figure.update_layout(barmode="overlay", bargap=0.25, legend_title_text="task",
-                         height=80 + sum(60 + 34 * line.stages for line in timelines),
+                         height=80 + sum((60 if shared else 90) + 34 * line.stages for line in timelines),
                          margin=dict(l=10, r=10, t=50, b=40))
-    figure.update_xaxes(title_text=f"time ({unit})", row=len(timelines), col=1)
+    for row, unit in enumerate(units, start=1):
+        if row == len(units) or not shared:
+            figure.update_xaxes(title_text=f"time ({unit})", row=row, col=1)
     return figure
 
 

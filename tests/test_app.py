@@ -342,6 +342,25 @@ def test_a_bad_round_count_in_the_environment_is_an_error_on_the_page(app, monke
     assert "GPIPE_LAB_ROUNDS='lots'" in app.error[0].value
 
 
+def test_a_written_schedule_stays_when_the_settings_change_and_runs_only_at_its_own_k(app):
+    app.run()
+    small(app, stages=2, micro=4, blocks=8, recompute="off")
+    mine = "stage 0: F0 F1 F2 F3 B3 B2 B1 B0\nstage 1: F0 F1 F2 F3 B3 B2 B1 B0\nstage 2: F0 F1 F2 F3 B3 B2 B1 B0"
+    app.text_area(key="writer_text").input(mine).run()
+    assert "✓ legal" in app.success[-1].value
+    spec = json.loads(next(c for c in app.get("plotly_chart") if "writer_predicted" in c.proto.id).proto.spec)
+    assert [a["text"] for a in spec["layout"]["annotations"]] == ["theory (unit costs), written: bubble 33%"], \
+        "no replay of 3 stages from K = 2's measured tasks"
+    assert any("It has 3 stages, these settings 2: set K = 3" in i.value for i in app.info)
+    small(app, stages=2, micro=6, blocks=8, recompute="off")
+    assert app.text_area(key="writer_text").value == mine, "a change of M keeps the learner's text"
+    assert any("Your text stays as you wrote it, for K = 2, M = 4" in i.value for i in app.info)
+    app.selectbox(key="writer_preset").set_value("1f1b").run()
+    assert app.text_area(key="writer_text").value.startswith("stage 0: F0 F1 B0 F2 B1"), "a preset replaces it"
+    small(app, stages=3, micro=6, blocks=8, recompute="off")
+    assert app.text_area(key="writer_text").value.count("stage ") == 3, "an untouched preset follows the settings"
+
+
 def test_a_written_schedule_is_checked_predicted_and_run_beside_gpipe(app):
     app.run()
     small(app, stages=2, micro=4, blocks=8, recompute="off")

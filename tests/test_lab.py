@@ -261,6 +261,22 @@ def test_processes_record_the_same_shape_plus_what_crossed_between_them():
     processes.shutdown_pool()
 
 
+def test_stacked_gantts_share_a_time_axis_only_when_they_share_a_unit():
+    from engine.schedule import Schedule, one_f_one_b
+    from lab import schedule_writer
+    written = Schedule(one_f_one_b(2, 4, "never"))
+    units = schedule_writer.unit_cost(written)
+    events = [{"stage": k, "op": op, "micro": m, "start": 0.0, "end": 1e-3, "chunk": k}
+              for k in range(2) for m in range(4) for op in "FB"]
+    in_ms = schedule_writer.replayed(written, events, 1)
+    mixed = charts.stacked_gantt([units, in_ms], ["units", "replay"]).layout
+    assert (mixed.xaxis.title.text, mixed.xaxis2.title.text) == ("time (time units)", "time (ms)")
+    assert mixed.xaxis.matches is None and mixed.xaxis2.matches is None, "each keeps its own scale"
+    same = charts.stacked_gantt([units, units], ["a", "b"]).layout
+    assert same.xaxis.title.text is None and same.xaxis2.title.text == "time (time units)"
+    assert same.xaxis.matches == "x2", "one scale for both"
+
+
 def test_gantt_of_processes_has_a_message_row_per_stage_and_the_boundary_chart():
     from engine.trace import Message
     line = replay.unit_cost(2, 2)
