@@ -62,12 +62,8 @@ class GPipe(nn.Module):
         check_module(module)
         written = isinstance(schedule, schedules.Schedule)
         self.schedule = schedule if written else schedules.check_schedule(schedule)
-        if written:
-            virtual_stages, uneven = divmod(len(schedule.placement), max(len(schedule), 1))
-            if uneven or not virtual_stages:
-                raise ValueError(f"the placement {schedule.placement} gives the {len(schedule)} stages unequal "
-                                 f"numbers of chunks; expected the same number on every stage")
-            schedule = "written"
+        if written:  # chunks per stage; schedules.check refuses a placement that gives stages unequal numbers
+            virtual_stages, schedule = max(1, len(schedule.placement) // max(len(schedule), 1)), "written"
         schedules.check_layout(schedule, 1, None, virtual_stages)
         self.virtual_stages = virtual_stages
         self.balance = _chunk_balance(balance, len(module), virtual_stages, schedule)

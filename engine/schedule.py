@@ -338,6 +338,8 @@ def check(schedule: list[list[Task]], micro_batches: int, checkpoint: str = "exc
     for k in sorted(set(range(stages)) ^ set(place)):
         raise ValueError(f"the placement {place} puts a chunk on stage {k}, but there are stages 0..{stages - 1}"
                          if k in place else f"the placement {place} puts no chunk on stage {k}")
+    if len(held := [place.count(k) for k in range(stages)]) > 1 and len(set(held)) > 1:
+        raise ValueError(f"the placement {place} gives the stages {held} chunks: every stage holds the same number")
     split, where = any(t.op == "W" for tasks in schedule for t in tasks), {}
     for k, tasks in enumerate(schedule):
         for i, task in enumerate(tasks):
@@ -360,6 +362,8 @@ def check(schedule: list[list[Task]], micro_batches: int, checkpoint: str = "exc
                 if task not in where:
                     why = {"R": f": checkpoint={mode!r} keeps only its input, so its backward needs the recompute "
                                 f"first", "W": ": once W is split off, every B leaves its weight gradient to a W"}
+                    top = max((t.micro for t in where), default=-1)  # a schedule written for fewer micro-batches
+                    why = {o: f": written for M={top + 1}, not {micro_batches}" for o in "FB"} if top < m else why
                     raise ValueError(f"stage {k} never runs {schedule.label(task)}{why.get(task.op, '')}")
             for before, after in zip(steps, steps[1:]):
                 if where[after] < where[before]:

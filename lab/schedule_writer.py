@@ -31,7 +31,7 @@ def parse(text: str) -> Schedule:
     without one, chunk c is on the stage that names it. "#" starts a comment. It reads
     torch.distributed.pipelining's actions too, comma-separated ("1F0": chunk 1, forward, micro-batch
     0; "I" is a B with W split off), one rank per line."""
-    placement, rows, found = None, [], {}
+    placement, rows, found, named_twice = None, [], {}, None
     for line in filter(None, (line.split("#")[0].strip() for line in text.splitlines())):
         head, _, rest = line.rpartition(":")
         if head.strip().lower() == "placement":
@@ -47,8 +47,8 @@ def parse(text: str) -> Schedule:
                                  f"holds several chunks, @chunk (F3, B0@5), or a torch action (1F0)")
             op, micro, chunk = match.group(1, 2, 3) if match[1] else (match[5].replace("I", "B"), match[6], match[4])
             row.append((op, int(micro), None if chunk is None else int(chunk)))
-            if chunk is not None:
-                found.setdefault(int(chunk), len(rows))
+            if chunk is not None and found.setdefault(int(chunk), len(rows)) != len(rows):
+                named_twice = (int(chunk), found[int(chunk)], len(rows))
         rows.append(row)
     if not rows:
         raise ValueError("no stages: expected one line of tasks per stage, such as 'stage 0: F0 F1 B0 B1'")
@@ -56,6 +56,10 @@ def parse(text: str) -> Schedule:
         raise ValueError(f"chunk {max(found)} is named, but {sum(map(len, rows))} tasks cannot cover so many chunks")
     count = -(-max(max(found, default=0) + 1, len(rows)) // len(rows)) * len(rows)
     if placement is None:
+        if named_twice:
+            chunk, first, second = named_twice
+            raise ValueError(f"chunk {chunk} is named on stage {first} and on stage {second}: a chunk of layers lives "
+                             f"on one stage (rename one, or say where each chunk lives in a 'placement:' line)")
         place = tuple(found.get(c, c % len(rows)) for c in range(count))
     elif placement in (["loop"], ["V"]):
         place = (loop if placement == ["loop"] else v_shape)(len(rows), count)

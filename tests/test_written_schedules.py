@@ -184,16 +184,24 @@ def test_zb_v_and_written_schedules_give_the_unpipelined_gradients_bitwise_acros
             assert max((a - b).abs().max().item() for a, b in zip(got[0], whole)) < 1e-10
 
 
+def test_a_chunk_named_on_two_stages_without_a_placement_is_told_so():
+    with pytest.raises(ValueError, match="chunk 1 is named on stage 0 and on stage 1: a chunk of layers lives on one"):
+        parse("stage 0: F0@0 F0@1 B0@1 B0@0\nstage 1: F0@1 B0@1")
+
+
 def test_a_pipe_refuses_a_written_schedule_that_cannot_run():
     deadlock = parse("stage 0: F0 B0 F1 B1\nstage 1: F0 F1 B1 B0")
     with pytest.raises(ValueError, match="stage 0 waits for B0 from stage 1, which waits for F1 from stage 0"):
         GPipe(mlp(), 2, chunks=2, checkpoint="never", schedule=deadlock)
     with pytest.raises(ValueError, match="the schedule has 2 stages but balance makes 3"):
         GPipe(mlp(), 3, chunks=2, checkpoint="never", schedule=parse(format(one_f_one_b(2, 2, "never"))))
-    with pytest.raises(ValueError, match="stage 0 never runs F2"):
+    with pytest.raises(ValueError, match="stage 0 never runs F2: written for M=2, not 3"):
         GPipe(mlp(), 2, chunks=3, checkpoint="never", schedule=parse(format(one_f_one_b(2, 2, "never"))))
-    with pytest.raises(ValueError, match="unequal numbers of chunks"):
+    with pytest.raises(ValueError, match=r"gives the stages \[1, 2\] chunks: every stage holds the same number"):
         GPipe(mlp(), 2, chunks=1, schedule=Schedule([[Task("F", 0, 0)], [Task("F", 0, 1)]], (0, 1, 1)))
+    three_and_one = parse("placement: 0 0 0 1\nstage 0: F0@0 F0@1 F0@2 B0@2 B0@1 B0@0\nstage 1: F0@3 B0@3")
+    with pytest.raises(ValueError, match=r"gives the stages \[3, 1\] chunks"):   # divisible, still unequal
+        GPipe(mlp(), 2, chunks=1, checkpoint="never", schedule=three_and_one)
     pipe = GPipe(mlp(), 2, chunks=4, checkpoint="never", schedule=parse(format(one_f_one_b(2, 4, "never"))))
     with pytest.raises(ValueError, match="written for M=4 micro-batches, but this mini-batch makes 3"):
         pipe.step(torch.randn(3, 16), torch.randint(0, 3, (3,)), LOSS)
