@@ -24,13 +24,17 @@ TWO_CHUNKS = ("interleaved", "zb-v")  # the presets with two chunks of layers pe
 MAX_CHARS = 100_000                   # the longest text `examine` reads
 
 
+TORCH_OPS = {"F": "F", "I": "B", "W": "W", "B": "whole B"}   # torch's action letters in the lab's ops
+
+
 def parse(text: str) -> Schedule:
     """A schedule from text, one line of tasks per stage ("stage 0: F0 F1 B0 F2 B1 B2", the label
     optional): op and micro-batch, then "@chunk" where a stage holds several chunks ("F3@5"), and an
     optional line "placement: loop", "placement: V" or the stage of each chunk ("placement: 0 1 1 0");
     without one, chunk c is on the stage that names it. "#" starts a comment. It reads
     torch.distributed.pipelining's actions too, comma-separated ("1F0": chunk 1, forward, micro-batch
-    0; "I" is a B with W split off), one rank per line."""
+    0; "I" is a B with W split off, and torch's "B", a whole backward, is a B and its W where W is
+    split off elsewhere), one rank per line."""
     placement, rows, found, named_twice = None, [], {}, None
     for line in filter(None, (line.split("#")[0].strip() for line in text.splitlines())):
         head, _, rest = line.rpartition(":")
@@ -45,13 +49,19 @@ def parse(text: str) -> Schedule:
             if match is None:
                 raise ValueError(f"{word!r} is not a task: expected F, R, B or W, a micro-batch and, where a stage "
                                  f"holds several chunks, @chunk (F3, B0@5), or a torch action (1F0)")
-            op, micro, chunk = match.group(1, 2, 3) if match[1] else (match[5].replace("I", "B"), match[6], match[4])
+            op, micro, chunk = match.group(1, 2, 3) if match[1] else (TORCH_OPS[match[5]], match[6], match[4])
             row.append((op, int(micro), None if chunk is None else int(chunk)))
             if chunk is not None and found.setdefault(int(chunk), len(rows)) != len(rows):
                 named_twice = (int(chunk), found[int(chunk)], len(rows))
         rows.append(row)
     if not rows:
         raise ValueError("no stages: expected one line of tasks per stage, such as 'stage 0: F0 F1 B0 B1'")
+    split = any(op == "W" for row in rows for op, _, _ in row)
+
+    def lab_tasks(op: str, micro: int, chunk):   # torch's whole B: the lab's B, and its W where W is split off
+        return [("B", micro, chunk), ("W", micro, chunk)] if op == "whole B" and split else \
+            [("B" if op == "whole B" else op, micro, chunk)]
+    rows = [[task for written in row for task in lab_tasks(*written)] for row in rows]
     if max(found, default=-1) >= sum(map(len, rows)):  # every chunk has tasks: a stray "@99999" lays out nothing
         raise ValueError(f"chunk {max(found)} is named, but {sum(map(len, rows))} tasks cannot cover so many chunks")
     count = -(-max(max(found, default=0) + 1, len(rows)) // len(rows)) * len(rows)

@@ -184,6 +184,15 @@ def test_zb_v_and_written_schedules_give_the_unpipelined_gradients_bitwise_acros
             assert max((a - b).abs().max().item() for a, b in zip(got[0], whole)) < 1e-10
 
 
+def test_torchs_whole_backward_beside_split_ones_is_a_b_and_its_w():
+    """torch.distributed.pipelining's B is a whole backward; mixed with I and W (split ones) it is
+    the lab's B followed by its W, so every micro-batch's weights get their gradient."""
+    mixed = parse("0F0,0F1,0B0,0I1,0W1\n1F0,1F1,1B0,1I1,1W1")
+    assert [[str(t) for t in tasks] for tasks in mixed] == [["F0", "F1", "B0", "W0", "B1", "W1"]] * 2
+    assert check(mixed, 2, "never").held == 2
+    assert [[str(t) for t in tasks] for tasks in parse("0F0,0B0\n1F0,1B0")] == [["F0", "B0"]] * 2
+
+
 def test_a_chunk_named_on_two_stages_without_a_placement_is_told_so():
     with pytest.raises(ValueError, match="chunk 1 is named on stage 0 and on stage 1: a chunk of layers lives on one"):
         parse("stage 0: F0@0 F0@1 B0@1 B0@0\nstage 1: F0@1 B0@1")
