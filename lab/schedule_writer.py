@@ -25,6 +25,21 @@ MAX_CHARS = 100_000                   # the longest text `examine` reads
 
 
 TORCH_OPS = {"F": "F", "I": "B", "W": "W", "B": "whole B"}   # torch's action letters in the lab's ops
+TORCH_COMMS = re.compile(r"\d+(SEND_F|RECV_F|SEND_B|RECV_B|UNSHARD|RESHARD|REDUCE_GRAD)\d*")
+
+
+def torch_compute(words: list[str]) -> list[str]:
+    """torch.distributed.pipelining's actions as compute tasks: its communication actions dropped
+    (the engine sends and receives by itself), and an overlapped pair "(0F3;3B1)OVERLAP_F_B"
+    (DualPipeV) as its two actions one after the other (the lab runs one task at a time per stage)."""
+    tasks = []
+    for word in words:
+        pair = re.fullmatch(r"\((.*)\)OVERLAP_F_B", word)
+        if pair:
+            tasks += [action.strip() for action in pair[1].split(";") if action.strip()]
+        elif not TORCH_COMMS.fullmatch(word):
+            tasks.append(word)
+    return tasks
 
 
 def parse(text: str) -> Schedule:
@@ -34,7 +49,7 @@ def parse(text: str) -> Schedule:
     without one, chunk c is on the stage that names it. "#" starts a comment. It reads
     torch.distributed.pipelining's actions too, comma-separated ("1F0": chunk 1, forward, micro-batch
     0; "I" is a B with W split off, and torch's "B", a whole backward, is a B and its W where W is
-    split off elsewhere), one rank per line."""
+    split off elsewhere), one rank per line, with communication and overlapped actions (`torch_compute`)."""
     placement, rows, found, named_twice = None, [], {}, None
     for line in filter(None, (line.split("#")[0].strip() for line in text.splitlines())):
         head, _, rest = line.rpartition(":")
@@ -44,7 +59,7 @@ def parse(text: str) -> Schedule:
         if head and not re.fullmatch(rf"stage\s*{len(rows)}", head.strip(), re.I):
             raise ValueError(f"{head.strip()!r}: expected 'stage {len(rows)}:' (stages in order) or 'placement:'")
         row = []
-        for word in rest.replace(",", " ").split():
+        for word in torch_compute(rest.replace(",", " ").split()):
             match = re.fullmatch(r"([FRBW])(\d+)(?:@(\d+))?|(\d+)([FIBW])(\d+)", word)
             if match is None:
                 raise ValueError(f"{word!r} is not a task: expected F, R, B or W, a micro-batch and, where a stage "

@@ -193,6 +193,17 @@ def test_torchs_whole_backward_beside_split_ones_is_a_b_and_its_w():
     assert [[str(t) for t in tasks] for tasks in parse("0F0,0B0\n1F0,1B0")] == [["F0", "B0"]] * 2
 
 
+def test_torchs_communication_and_overlapped_actions_read_as_the_compute_they_carry():
+    """A compute-and-comms row as torch writes it (DualPipeV's overlapped pairs, SEND/RECV/UNSHARD
+    actions): the engine does its own sends, and runs an overlapped pair one task after the other."""
+    written = zb_v(2, 4, "never")
+    rows = format(written, torch=True).splitlines()
+    noisy = [rows[0].replace("0F1,", "0UNSHARD,0F1,0SEND_F1,").replace("3F0,3I0,", "(3F0;3I0)OVERLAP_F_B,"),
+             rows[1].replace("2F0,", "1RECV_F0,2F0,1SEND_B0,2RESHARD,")]
+    assert noisy != rows and "OVERLAP_F_B" in noisy[0]
+    assert parse("\n".join(noisy)) == written
+
+
 def test_a_chunk_named_on_two_stages_without_a_placement_is_told_so():
     with pytest.raises(ValueError, match="chunk 1 is named on stage 0 and on stage 1: a chunk of layers lives on one"):
         parse("stage 0: F0@0 F0@1 B0@1 B0@0\nstage 1: F0@1 B0@1")
