@@ -417,6 +417,8 @@ def show_writer(record: RunRecord, config: RunConfig) -> None:
     left, right = st.columns([1, 3])
     name = left.selectbox("start from", schedule_writer.PRESETS, key="writer_preset")
     wanted, before = (name, config.stages, micro, config.checkpoint), st.session_state.get("writer_for")
+    if "writer_text" not in st.session_state and "writer_saved" in st.session_state:  # a run that failed drew no
+        st.session_state["writer_text"] = st.session_state["writer_saved"]             # box, and Streamlit forgot it
     if before != wanted:  # a new preset, or new settings for a preset's text nobody edited: the preset's text
         st.session_state["writer_for"] = wanted
         edited = st.session_state.get("writer_text") != st.session_state.get("writer_preset_text")
@@ -431,6 +433,7 @@ def show_writer(record: RunRecord, config: RunConfig) -> None:
                 left.warning(f"{name} at these settings: {error}")
     text = right.text_area(f"the schedule (K = {config.stages}, M = {micro}, checkpoint '{config.checkpoint}')",
                            key="writer_text", height=40 + 28 * config.stages, max_chars=schedule_writer.MAX_CHARS)
+    st.session_state["writer_saved"] = text
     verdict = schedule_writer.examine(text, micro, config.checkpoint)
     (st.success if verdict.legal else st.error)(verdict.line)
     if not verdict.legal:
