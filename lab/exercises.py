@@ -49,7 +49,8 @@ SAYS = {
     "not a function": "define a function with def, as the cell above does, and pass the function itself",
     "not a number": "expected a number (an int or a float)",
     "constant": "your function returns the same value whatever its arguments: the answer depends on them",
-    "too long": "does every loop move on (past each item it looks at), and end?",
+    "too long": "does every loop move on (past each item it looks at), and end? does it wait for something "
+                "that never comes?",
     "integer division": "integer division (//) drops the fraction: use /",
     "rounded": "that is the answer rounded: return it exact (the notebook rounds only what it prints)",
     "percent": "that is a percentage; expected a fraction between 0 and 1 (drop the x 100)",
@@ -280,21 +281,22 @@ def _attempted(answer, name: str):
     return answer
 
 
-def _called(fn: Callable, *args, returns: bool = True):
-    """fn(*args), the learner's function: an exception in it becomes feedback that names it; with
-    `returns`, a result of None or `...` means the answer is not written yet."""
+def _called(fn: Callable, *args, returns: bool = True, within: Callable = contextlib.nullcontext):
+    """fn(*args), the learner's function (bounded in time, inside `within()`: `_bounded`): an
+    exception in it becomes feedback that names it; with `returns`, a result of None or `...` means
+    the answer is not written yet."""
     _attempted(fn, "the cell")
     if not callable(fn) or isinstance(fn, type):
         raise Feedback(f"expected a function, got {type(fn).__name__}: {SAYS['not a function']}")
     printed = _Printed(sys.stdout)
     try:
         with contextlib.redirect_stdout(printed):
-            result = _bounded(fn, args)
+            result = _bounded(fn, args, within)
     except KeyboardInterrupt:
         raise
     except _TookTooLong:
-        raise Feedback(f"{_call_text(fn, args)} did not return within {CALL_SECONDS:g} s of computing: "
-                       f"{SAYS['too long']}") from None
+        raise Feedback(f"{_call_text(fn, args)} did not return within {CALL_SECONDS:g} s of computing (or "
+                       f"{WAIT_SECONDS:g} s in all): {SAYS['too long']}") from None
     except BaseException as error:  # SystemExit, GeneratorExit...: whatever the learner's code raised
         raise Feedback(f"{_call_text(fn, args)} raised {type(error).__name__}: {error}. {SAYS['raised']}") from None
     if returns and result is None and printed.wrote:
@@ -321,7 +323,7 @@ class _Printed(io.TextIOBase):
 
 
 CALL_SECONDS = 5.0    # CPU seconds a learner's function may run before it is stopped and told so
-WAIT_SECONDS = 60.0   # and seconds it may take in all (a loop that sleeps uses no CPU)
+WAIT_SECONDS = 20.0   # and seconds it may take in all (a loop that sleeps, a lock that never comes)
 
 
 class _TookTooLong(BaseException):
@@ -329,30 +331,50 @@ class _TookTooLong(BaseException):
     `except Exception` in the learner's loop does not swallow it)."""
 
 
-def _bounded(fn: Callable, args: tuple):
-    """fn(*args) in this thread, interrupted with _TookTooLong once it has used CALL_SECONDS of
-    this thread's CPU time (so a busy host does not stop a slow right answer) or WAIT_SECONDS in
-    all. A watcher raises it in this thread, between two Python bytecodes: a loop that never ends stops."""
-    cpu_seconds, seconds = CALL_SECONDS, WAIT_SECONDS
-    thread, clock = threading.get_ident(), time.pthread_getcpuclockid(threading.get_ident())
-    done, lock, inside = threading.Event(), threading.Lock(), [True]
-    cpu_start, start = time.clock_gettime(clock), time.monotonic()
+def _bounded(fn: Callable, args: tuple, within: Callable = contextlib.nullcontext):
+    """fn(*args) in a thread of its own (inside `within()`, for what is per thread, such as saved-
+    tensor hooks), given up once it has used CALL_SECONDS of its CPU time (so a busy host does not
+    stop a slow right answer) or WAIT_SECONDS in all: _TookTooLong is raised in it, which stops a loop
+    between two bytecodes, and a call blocked for good (a lock, a queue) is left behind, asleep."""
+    outcome: list = []
+    clock: list = []   # the worker's CPU clock, read by the worker itself while it lives
 
-    def watch() -> None:
-        while not done.wait(0.1):
-            if time.clock_gettime(clock) - cpu_start > cpu_seconds or time.monotonic() - start > seconds:
-                with lock:
-                    if inside[0]:
-                        ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread),
-                                                                   ctypes.py_object(_TookTooLong))
-                return
-    threading.Thread(target=watch, name="gpipe-check-watch", daemon=True).start()
+    def run() -> None:
+        clock.append(time.pthread_getcpuclockid(threading.get_ident()))
+        try:
+            with within():
+                outcome.append((True, fn(*args)))
+        except BaseException as error:  # whatever the learner's code raised, _TookTooLong included
+            outcome.append((False, error))
+    worker = threading.Thread(target=run, name="gpipe-learner-answer", daemon=True)
+    worker.start()
+    start = time.monotonic()
+
+    def cpu_used() -> float:
+        try:
+            return time.clock_gettime(clock[0]) if clock else 0.0
+        except OSError:  # it ended meanwhile
+            return 0.0
     try:
-        return fn(*args)
-    finally:
-        with lock:
-            inside[0] = False
-        done.set()
+        while worker.is_alive() and cpu_used() < CALL_SECONDS and time.monotonic() - start < WAIT_SECONDS:
+            worker.join(0.02)
+    except BaseException:  # Ctrl-C (the kernel's interrupt) in the check: stop the answer too
+        _raise_in(worker, KeyboardInterrupt)
+        raise
+    if worker.is_alive():
+        _raise_in(worker, _TookTooLong)
+        worker.join(1.0)
+        if not outcome:
+            raise _TookTooLong()
+    finished, value = outcome[0]
+    if not finished:
+        raise value
+    return value
+
+
+def _raise_in(thread: threading.Thread, error: type) -> None:
+    """Raise `error` in `thread` at its next bytecode."""
+    ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread.ident), ctypes.py_object(error))
 
 
 def _call_text(fn: Callable, args: tuple) -> str:
@@ -687,8 +709,7 @@ def check_checkpointed_stage(fn: Callable[[nn.Module, torch.Tensor], torch.Tenso
     first_layer = block[0].register_forward_pre_hook(lambda _, inputs: entering.append(inputs[0]))
     ledger = ActivationLedger(list(block.parameters()) + [x])
     try:
-        with ledger.saving():
-            out = _called(fn, block, x)
+        out = _called(fn, block, x, within=ledger.saving)
     finally:
         hook.remove()
         first_layer.remove()

@@ -3,6 +3,7 @@ torch), reject every mutation of the reference answers with the sentence of its 
 and never raise, whatever they are given."""
 import decimal
 import fractions
+import threading
 import time
 from itertools import accumulate
 
@@ -447,7 +448,7 @@ def test_a_number_in_any_precision_is_judged_to_its_own_precision(right):
 
 def test_a_function_that_does_not_return_is_stopped_and_told_so(monkeypatch):
     """Bounded by the learner's own CPU time (5 s in a lesson), so a busy host does not stop a slow
-    right answer, and by 60 s in all for a loop that sleeps."""
+    right answer, and by 20 s in all for a loop that sleeps or a wait that never ends."""
     monkeypatch.setattr(exercises, "CALL_SECONDS", 0.5)
     monkeypatch.setattr(exercises, "WAIT_SECONDS", 2.0)
     said = exercises.check_best_cut(greedy_that_never_advances)
@@ -456,8 +457,14 @@ def test_a_function_that_does_not_return_is_stopped_and_told_so(monkeypatch):
     def sleeps(k, m):
         while True:
             time.sleep(0.01)
-    said = exercises.check_bubble(sleeps)
-    assert said.startswith("✗") and SAYS["too long"] in said, said
+
+    def waits_for_ever(k, m):   # a lock nobody releases: no bytecode runs, so it is left behind, asleep
+        lock = threading.Lock()
+        lock.acquire()
+        lock.acquire()
+    for stuck in (sleeps, waits_for_ever):
+        said = exercises.check_bubble(stuck)
+        assert said.startswith("✗") and SAYS["too long"] in said, said
     assert exercises.check_bubble(bubble).startswith("✓"), "the watcher has stopped: nothing is raised later"
     time.sleep(0.3)
 
