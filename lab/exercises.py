@@ -51,7 +51,7 @@ SAYS = {
     "constant": "your function returns the same value whatever its arguments: the answer depends on them",
     "too long": "does every loop move on (past each item it looks at), and end? does it wait for something "
                 "that never comes?",
-    "integer division": "integer division (//) drops the fraction: use /",
+    "integer division": "rounding down (// or int()) drops the fraction: use / and keep it",
     "rounded": "that is the answer rounded: return it exact (the notebook rounds only what it prints)",
     "percent": "that is a percentage; expected a fraction between 0 and 1 (drop the x 100)",
     "ratio as percent": "that is the ratio as a percentage; expected the ratio itself (drop the x 100)",
@@ -63,8 +63,12 @@ SAYS = {
     "one variable off": "check each place that argument appears: the formula uses it as it is, and K-1 or M+K-1 "
                         "only where the slots call for them",
     "no pattern": "compare your function with the expected values in the table below, case by case",
+    "a factor": "a factor that does not belong in the formula (or one missing from it)",
+    "an offset": "a term that does not belong in the formula (or one missing from it)",
+    "special case": "the formula holds for every case as it is: no special case is needed",
     # bytes
-    "weights alone": "that counts the weights alone: training also keeps a gradient per weight and Adam's two moments",
+    "weights alone": "that is 4 bytes per parameter: the weights alone, or the four tensors (weight, gradient, "
+                     "Adam's two moments) at 1 byte each; each of the four takes 4 bytes",
     "weights and gradients": "that counts weights and gradients: Adam adds two moments per weight",
     "one moment": "12 bytes per parameter leaves one of the four out: the weight, its gradient and Adam's two "
                   "moments take 4 bytes each",
@@ -130,6 +134,9 @@ SAYS = {
                     "torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False)",
     "different gradients": "the gradients differ from a plain backward: the recompute must run the same block on "
                            "the same input",
+    "random state": "on a block with dropout the recompute drew other random numbers than the forward, so its "
+                    "gradients are not the forward's: keep preserve_rng_state=True (the default), which replays "
+                    "the forward's random state",
     "frozen block": "the block's weights were frozen (requires_grad False), so they get no gradient: leave the block "
                     "as it is; checkpointing changes what is kept, not what is trained",
     # gradient accumulation
@@ -167,7 +174,8 @@ SAYS = {
     "wrong scale": "every micro-batch's gradient entered with the same weight, but not 1/M: scale each mean loss by "
                    "1/M",
     "different accumulation": "the accumulated gradients are not any weighting of the micro-batches' own: run each "
-                              "micro-batch's forward and backward once, on the model as given",
+                              "micro-batch's forward and backward once, on the model as given, each micro-batch "
+                              "with its own targets, and leave .grad alone in the loop (clip once, after it)",
     # the best cut
     "cut shape": "expected a list of K whole numbers, the layers of each stage, in order",
     "cut edges": "those look like the positions of the cuts; expected how many layers each stage gets (K counts)",
@@ -175,7 +183,7 @@ SAYS = {
     "cut counts": "expected K counts of at least one layer each, summing to the number of layers",
     "greedy cut": "your cut closes a stage as soon as it reaches total/K, which can leave a costlier stage later on: "
                   "try every cut (or the engine's dynamic program) and keep the one whose costliest stage is cheapest",
-    "variance cut": "your cut makes the stages' costs as even as possible on average (least variance), but the "
+    "variance cut": "your cut makes the stages' costs as even as possible (least variance or least spread), but the "
                     "pipeline runs at the pace of its costliest stage: minimize the maximum instead",
     "equal counts": "that gives the stages equal numbers of layers, whatever each layer costs: weigh the layers by "
                     "their costs, and keep the cut whose costliest stage is cheapest",
@@ -189,6 +197,7 @@ SAYS = {
     "same on every stage": "every stage gets the same count, but a stage further down the pipe holds fewer: the "
                            "first holds K, the last 1",
     # bytes per cut
+    "four bytes again": "that multiplies by 4 bytes again: the bytes per sample already count each value's bytes",
     "forward only": "that counts the activations going forward; their gradients, of the same size, come back",
     "per sample": "that is per sample: the step carries all N samples across the cut",
     # a first pipe
@@ -509,8 +518,37 @@ class Formula:
             raise Feedback(f"{said}: {SAYS['constant'] + '; or, if it computes, ' if constant else ''}{mistake}")
         if constant:
             raise Feedback(f"{said}: {SAYS['constant']}")
-        raise Feedback(f"wrong in {len(wrong)} of {len(self.cases)} cases{': ' + self.hint if self.hint else ''}; "
+        seen = self.pattern(got, expected, tolerance)
+        raise Feedback(f"wrong in {len(wrong)} of {len(self.cases)} cases: {seen or self.hint}; "
                        f"{SAYS['no pattern']}\n{self.table(got, expected, wrong)}")
+
+    def pattern(self, got: list[float], expected: list[float], tolerance: float) -> Optional[str]:
+        """What the wrong answers have in common, when a simple rule says it: the same factor or the
+        same offset on every case, or right exactly where a condition on the arguments holds."""
+        if all(_close(g, 0.0, tolerance) for g, e in zip(got, expected) if e == 0):
+            ratios = [g / e for g, e in zip(got, expected) if e != 0]
+            if ratios and all(math.isclose(r, ratios[0], rel_tol=tolerance) for r in ratios):
+                return f"each answer is {_shown(ratios[0])} times the expected one: {SAYS['a factor']}"
+        offsets = [g - e for g, e in zip(got, expected)]
+        if all(math.isclose(d, offsets[0], rel_tol=tolerance, abs_tol=1e-9) for d in offsets):
+            return f"each answer is {offsets[0]:+.4g} off the expected one: {SAYS['an offset']}"
+        right = [_close(g, e, tolerance) for g, e in zip(got, expected)]
+        if sum(right) < 2:   # right on one case only (K = 1 makes many a formula trivially right): no rule
+            return None
+        for words, holds in self.conditions():
+            if [bool(holds(*case)) for case in self.cases] == right:
+                return f"right exactly where {words}, wrong elsewhere: {SAYS['special case']}"
+        return None
+
+    def conditions(self) -> list[tuple[str, Callable[..., bool]]]:
+        """Simple conditions on the arguments a learner's special case might test."""
+        found = []
+        for i, name in enumerate(self.names):
+            found += [(f"{name} = 1", lambda *a, _i=i: a[_i] == 1), (f"{name} > 1", lambda *a, _i=i: a[_i] > 1)]
+        for (i, a), (j, b) in itertools.permutations(enumerate(self.names), 2):
+            found += [(f"{a} ≥ {b}", lambda *v, _i=i, _j=j: v[_i] >= v[_j]),
+                      (f"{a} > {b}", lambda *v, _i=i, _j=j: v[_i] > v[_j])]
+        return found
 
     def recognize(self, got: list[float], tolerance: float) -> Optional[str]:
         """The sentence of the first known mistake that gives `got` on every case: a mistake of the
@@ -605,7 +643,8 @@ IN_FLIGHT = Formula(
     hint="the fill takes K-1-k forwards, then one forward and one backward alternate")
 BOUNDARY_BYTES = Formula(
     ("N", "bytes per sample"), ((1, 4.0), (32, 256.0), (64, 4096.0), (3, 100.0)), lambda n, b: 2 * n * b,
-    (("forward only", lambda n, b: n * b), ("per sample", lambda n, b: 2 * b)),
+    (("forward only", lambda n, b: n * b), ("per sample", lambda n, b: 2 * b),
+     ("four bytes again", lambda n, b: 8 * n * b)),
     hint="activations forward and gradients back, N samples each way", unit="bytes", symmetric=True)
 
 BUBBLE_MS = Formula(
@@ -742,12 +781,28 @@ def check_checkpointed_stage(fn: Callable[[nn.Module, torch.Tensor], torch.Tenso
         raise Feedback(SAYS["detached input"])  # e.g. x.detach().requires_grad_(): a new leaf, not x
     if any(g is None or not torch.allclose(g, w, atol=1e-6) for g, w in zip(got, plain)):
         raise Feedback(SAYS["different gradients"])
+    if not _replays_random_numbers(fn):
+        raise Feedback(SAYS["random state"])
     engine_grads, engine_peak = _engine_recompute(block, x.detach())
     if not all(torch.allclose(g, w, atol=1e-6) for g, w in zip(got, engine_grads)):
         raise Feedback("the gradients differ from the engine's checkpoint='always' on the same block")
     return (f"✓ nothing but the input kept during your forward, and the same gradients as a plain backward and as "
             f"the engine's recompute (checkpoint='always', one stage, 4 micro-batches: its activation peak "
             f"{engine_peak:,} bytes, one micro-batch's layers plus the inputs it keeps)")
+
+
+def _replays_random_numbers(fn: Callable) -> bool:
+    """Whether the learner's stage, on a block with dropout, gets a plain backward's gradients: its
+    recompute must draw the forward's random numbers again."""
+    torch.manual_seed(1)
+    block, x = nn.Sequential(nn.Linear(16, 16), nn.Dropout(0.5), nn.Linear(16, 16)), torch.randn(8, 16)
+    torch.manual_seed(2)
+    block(x).sum().backward()
+    plain = [p.grad.clone() for p in block.parameters()]
+    block.zero_grad()
+    torch.manual_seed(2)
+    _called(fn, block, x.requires_grad_()).sum().backward()
+    return all(torch.allclose(p.grad, g, atol=1e-6) for p, g in zip(block.parameters(), plain))
 
 
 @functools.lru_cache(maxsize=1)

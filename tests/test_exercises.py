@@ -204,7 +204,9 @@ MUTANTS = [
     (exercises.check_training_bytes, lambda p: 16 * p / 2 ** 30, "gibibytes"),
     (exercises.check_training_bytes, lambda p: 4 * p / 2 ** 30, "weights alone"),   # in GiB too: both are said
     (exercises.check_training_bytes, lambda p: 4 * 4 * 4 * p, "four bytes twice"),
-    (exercises.check_training_bytes, lambda p: 17 * p, "no pattern"),
+    (exercises.check_training_bytes, lambda p: 16 * p + p * p, "no pattern"),
+    (exercises.check_training_bytes, lambda p: 17 * p, "a factor"),
+    (exercises.check_training_bytes, lambda p: 16 * p + 3, "an offset"),
     (exercises.check_training_bytes, lambda p: 16, "constant"),
     (exercises.check_naive_bubble, lambda k: 1 / k, "busy share"),
     (exercises.check_naive_bubble, lambda k: (k - 1) // k, "integer division"),
@@ -226,6 +228,8 @@ MUTANTS = [
     (exercises.check_bubble, lambda k, m: round(bubble(k, m), 2), "rounded"),
     (exercises.check_bubble, lambda k, m: k / (m + k), "one variable off"),   # K+1 for K
     (exercises.check_bubble, lambda k, m: bubble(k, m) if m >= k else 0.5, "no pattern"),
+    (exercises.check_bubble, lambda k, m: bubble(k, m) if m >= k else 0.9, "special case"),
+    (exercises.check_bubble, lambda k, m: 2 * bubble(k, m), "a factor"),
     (exercises.check_ideal_speedup, lambda k, m: k, "forgets the bubble"),
     (exercises.check_ideal_speedup, lambda k, m: m / (m + k - 1), "one device's share"),
     (exercises.check_ideal_speedup, lambda k, m: k * bubble(k, m), "bubble times K"),
@@ -243,6 +247,7 @@ MUTANTS = [
     (exercises.check_boundary_bytes, lambda n, b: n * b, "forward only"),
     (exercises.check_boundary_bytes, lambda n, b: 2 * b, "per sample"),
     (exercises.check_boundary_bytes, lambda n, b: 16 * n * b, "bits"),
+    (exercises.check_boundary_bytes, lambda n, b: 2 * n * b * 4, "four bytes again"),
     (exercises.check_boundary_bytes, lambda n, b: 1024, "constant"),
     (exercises.check_bubble_ms, lambda k, m, f, b: (k - 1) * f, "fill only"),
     (exercises.check_bubble_ms, lambda k, m, f, b: (k - 1) / (m + k - 1), "share, not time"),
@@ -287,6 +292,8 @@ MUTANTS = [
     (exercises.check_checkpointed_stage, lambda block, x: block, "not a tensor"),
     (exercises.check_checkpointed_stage, drifting_recompute, "different gradients"),
     (exercises.check_checkpointed_stage, frozen_stage, "frozen block"),
+    (exercises.check_checkpointed_stage, lambda block, x: checkpoint(block, x, use_reentrant=False,
+                                                                     preserve_rng_state=False), "random state"),
     (exercises.check_checkpointed_stage, kept_on_the_host, "kept, not recomputed"),
     (exercises.check_checkpointed_stage, lambda block, x: [block(x), checkpoint(block, x, use_reentrant=False)][1],
      "kept activations"),   # the plain forward's activations were held until its output went
