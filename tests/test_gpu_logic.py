@@ -157,7 +157,7 @@ def test_gpu_over_host_time_per_stage():
 
 def test_the_gpu_table_is_grown_until_the_gpu_sets_the_pace():
     from lab import speedup
-    start = speedup.table_setting("cuda")   # on a host without a GPU: the paper-like start, unsized
+    start = speedup.gpu_start()   # the paper-like start, before sizing (a GPU host would size it for minutes)
     assert (start.blocks, start.width, start.batch, start.device) == (24, 1024, 128, "cuda")
     probes = []
 
@@ -245,6 +245,19 @@ def test_a_failed_nccl_receive_is_raised_naming_its_sender():
     transport._arrived = {(0, "grad", 4, 1): ("value", [Failed()])}
     with pytest.raises(StageFailed, match=r"\[rank 2, stage 2\] unreachable.*remote process exited"):
         transport.receive(1, ("grad", 4, 1))
+
+
+def test_a_payload_copied_to_a_gpu_from_the_host_lane_is_handed_over_with_its_event():
+    """A GPU stage without NCCL (two ranks on one GPU, the V's second leg) gets its payload over gloo,
+    copied to the GPU with a CUDA event to wait on: that event goes to the stage, never polled as works."""
+    class Event:   # what to_gpu returns beside the tensors: neither a list nor iterable
+        pass
+    transport = ProcessTransport.__new__(ProcessTransport)
+    transport.ranks, transport.step, transport._failure = Ranks(1, 2), 0, None
+    transport.lane, transport.shared = _lane_with_nccl_sends_in_flight(), dist.HashStore()
+    ready = Event()
+    transport._arrived = {(0, "act", 2, 1): ("value", ready)}
+    assert transport.receive(1, ("act", 2, 1)) == ("value", ready)
 
 
 def test_a_gpu_cell_is_launch_bound_under_k_for_threads():

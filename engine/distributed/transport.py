@@ -213,15 +213,16 @@ class ProcessTransport:
     def receive(self, stage: int, key):
         """What a neighbour sent for the current call under `key`: (value, NCCL works or None), once
         NCCL delivered it (the host waits, looking for failures: a stream waiting on a lost peer could not)."""
-        value, works = self._get((self.step, *key))
-        until_completed(works or [], self._check_receiving, every=POLL_SECONDS)
-        for work in works or []:  # a completed work may have failed: wait() would not say so on the host
+        value, ready = self._get((self.step, *key))  # NCCL works, or a host copy's CUDA event (the stage waits on it)
+        works = ready if isinstance(ready, list) else []
+        until_completed(works, self._check_receiving, every=POLL_SECONDS)
+        for work in works:  # a completed work may have failed: wait() would not say so on the host
             if work.exception() is not None:
                 kind, _, chunk = key  # an activation comes from the chunk before, a gradient from the one after
                 sender = self.placement[chunk - 1 if kind == "act" else chunk + 1]
                 self._failure = self._lost(sender, work.exception())
                 raise self._failure
-        return value, works
+        return value, ready
 
     def send(self, source: int, destination: int, key, value: Value) -> None:
         """Send `value` under `key` to the rank that holds chunk `destination` (filed here if it is this one)."""
