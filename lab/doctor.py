@@ -47,6 +47,7 @@ from .exactness import unpipelined_gradients
 from .launch import ROOT, free_port
 from .loopback import loopback_interface
 from .models import build_mlp, mlp_batch
+from .process_tree import descendants
 from .stepper import Stepper
 
 Check = Callable[[], str]   # returns what it saw; raises (AssertionError or any error) if it failed
@@ -314,10 +315,16 @@ def bounded(args: list[str], seconds: float, env: Optional[dict] = None) -> tupl
         except subprocess.TimeoutExpired:
             code = None
         finally:
+            tree = descendants(process.pid)  # torchrun's workers run in sessions of their own
             try:
                 os.killpg(process.pid, signal.SIGKILL)  # whatever is left of it
             except ProcessLookupError:
                 pass
+            for pid in tree:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
             process.wait()
         log.seek(0)
         return code, log.read()

@@ -20,7 +20,8 @@ import socket
 import tempfile
 import weakref
 from datetime import timedelta
-from pathlib import Path
+
+from .process_tree import running
 
 IFF_LOOPBACK = 0x8  # the interface flag Linux shows in /sys/class/net/NAME/flags
 STORE_FOLDER = re.compile(r"gpipe-store-(\d+)-")  # a Meeting's folder: named after the process that made it
@@ -74,14 +75,6 @@ def sweep_orphan_folders(under: str = "") -> list[str]:
         shutil.rmtree(path, ignore_errors=True)
         removed.append(name)
     return removed
-
-
-def running(pid: int) -> bool:
-    """Whether process `pid` exists and is not a zombie (killed, not yet reaped)."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 def join(path: str, rank: int, size: int, timeout: float = 120.0, backend: str = "gloo") -> None:

@@ -27,7 +27,8 @@ from engine.distributed.shm_lane import SHM, checked_spin, sweep
 from engine.trace import Trace
 
 from .children import Children, ChildFailed, name_of, resolve
-from .loopback import Meeting, running
+from .loopback import Meeting
+from .process_tree import running
 from .stage_server import START_SECONDS
 
 Recipe = Union[str, Callable]

@@ -1,33 +1,8 @@
-"""Processes in tests: finding what is left of those a test started, in processes and in /dev/shm."""
+"""Processes in tests: finding what is left in /dev/shm of the pipes a test started (the processes
+themselves: lab/process_tree.py)."""
 import os
 import time
 import uuid
-from pathlib import Path
-
-
-def children(pid):
-    """Pids of the live processes whose parent is `pid`."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if int(fields[1]) == pid and fields[0] != "Z":
-                found.append(int(entry.name))
-    return found
-
-
-def descendants(pid: int) -> list[int]:
-    """Pids of the live processes `pid` started, and those they started, and so on (stage processes
-    are forked by a forker the parent started: lab/forker.py)."""
-    found, todo = [], [pid]
-    while todo:
-        below = children(todo.pop())
-        found += below
-        todo += below
-    return found
 
 
 def shm_prefix() -> str:

@@ -6,7 +6,7 @@ import subprocess
 import time
 from pathlib import Path
 
-from launch import descendants
+from lab.process_tree import descendants
 
 STATES = {"tcp": "0A", "tcp6": "0A", "udp": "07", "udp6": "07"}  # LISTEN; UDP: bound, unconnected
 

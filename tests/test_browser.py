@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from lab.launch import free_port
-from lab.loopback import running
-from launch import children, descendants
+from lab.process_tree import running
+from lab.process_tree import children, descendants
 from listeners import beyond_loopback, listening
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -41,12 +41,12 @@ def test_each_part_is_bounded_says_its_exit_status_and_leaves_no_process(tmp_pat
     failed = doctor.run_part(doctor.Part("fails", ["-c", "import sys; print('oops'); sys.exit(3)"], 30), deadline, 1)
     assert not failed.passed and failed.status == "exit status 3" and failed.tail == "oops"
     pid_file = tmp_path / "pid"
-    slow = ["-c", f"import subprocess, time; open({str(pid_file)!r}, 'w').write(str(subprocess.Popen(['sleep', '60'])"
-                  f".pid)); time.sleep(60)"]
+    slow = ["-c", f"import subprocess, time; open({str(pid_file)!r}, 'w').write(str(subprocess.Popen(['sleep', '60'], "
+                  f"start_new_session=True).pid)); time.sleep(60)"]   # in a session of its own, as torchrun's workers
     monkeypatch.setattr(doctor, "MIN_PART_SECONDS", 0.5)
     stopped = doctor.run_part(doctor.Part("slow", slow, 2), doctor.time.monotonic() + 2, 1)
     assert not stopped.passed and stopped.status.startswith("timed out after 2 s") and stopped.seconds < 10
-    grandchild, until = int(pid_file.read_text()), doctor.time.monotonic() + 5   # killed with its group: gone soon
+    grandchild, until = int(pid_file.read_text()), doctor.time.monotonic() + 5   # killed with the tree: gone soon
     while os.path.exists(f"/proc/{grandchild}") and doctor.time.monotonic() < until:
         doctor.time.sleep(0.05)
     assert not os.path.exists(f"/proc/{grandchild}")

@@ -11,8 +11,8 @@ import pytest
 
 from lab import forker
 from lab.children import ChildFailed, Children
-from lab.loopback import running
-from launch import descendants
+from lab.process_tree import running
+from lab.process_tree import descendants
 
 ROOT = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.skipif(not forker.available(), reason="children are forked on Linux with pidfds only")
@@ -93,7 +93,7 @@ def test_an_interrupted_request_leaves_no_child_and_the_next_gets_its_own(monkey
     """A request interrupted before its answer came (a notebook's stop button while the forker is
     still importing torch): its child is killed when the answer comes, never handed to the next."""
     from multiprocessing.connection import Pipe
-    from launch import children as children_of
+    from lab.process_tree import children as children_of
     warm = forker.forker()
     Children(Probe, [()]).close()
     before = set(children_of(warm.process.pid))

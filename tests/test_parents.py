@@ -10,7 +10,7 @@ from pathlib import Path
 
 import nbformat
 import pytest
-from launch import children
+from lab.process_tree import children
 from nbclient import NotebookClient
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -12,11 +12,12 @@ import torch
 from torch import nn
 
 from conftest import mlp, pair_model
-from launch import descendants, shm_left, shm_prefix
+from launch import shm_left, shm_prefix
+from lab.process_tree import descendants
 from listeners import beyond_loopback, listening
 from lab.launch import two_nodes
 from engine import GPipe
-from lab.loopback import running
+from lab.process_tree import running
 from lab.pool import ProcessPool, StageProcessError
 
 ROOT = Path(__file__).resolve().parent.parent

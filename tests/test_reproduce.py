@@ -3,7 +3,7 @@ import csv
 import time
 
 import pytest
-from lab.loopback import running
+from lab.process_tree import running
 
 from lab import reproduce
 
