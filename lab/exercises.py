@@ -135,8 +135,9 @@ SAYS = {
     "different gradients": "the gradients differ from a plain backward: the recompute must run the same block on "
                            "the same input",
     "random state": "on a block with dropout the recompute drew other random numbers than the forward, so its "
-                    "gradients are not the forward's: keep preserve_rng_state=True (the default), which replays "
-                    "the forward's random state",
+                    "gradients are not the forward's: the recompute must replay the forward's random state "
+                    "(checkpoint's preserve_rng_state=True, the default; by hand, torch.get_rng_state() before "
+                    "the forward and torch.set_rng_state() before the recompute)",
     "frozen block": "the block's weights were frozen (requires_grad False), so they get no gradient: leave the block "
                     "as it is; checkpointing changes what is kept, not what is trained",
     # gradient accumulation

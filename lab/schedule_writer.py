@@ -42,6 +42,18 @@ def torch_compute(words: list[str]) -> list[str]:
     return tasks
 
 
+def in_stage_order(lines: list[str]) -> list[str]:
+    """The non-empty lines, the stages' put in order where every one is labelled "stage k:" and the
+    labels number them 0..K-1 in another order (written bottom up, say); else as they are."""
+    lines = [line for line in lines if line]
+    stages = [line for line in lines if not line.lower().startswith("placement")]
+    labels = [re.match(r"stage\s*(\d+)\s*:", line, re.I) for line in stages]
+    if all(labels) and sorted(int(m[1]) for m in labels) == list(range(len(stages))):
+        by_label = iter(sorted(stages, key=lambda line: int(re.match(r"stage\s*(\d+)", line, re.I)[1])))
+        return [line if line.lower().startswith("placement") else next(by_label) for line in lines]
+    return lines
+
+
 def parse(text: str) -> Schedule:
     """A schedule from text, one line of tasks per stage ("stage 0: F0 F1 B0 F2 B1 B2", the label
     optional): op and micro-batch, then "@chunk" where a stage holds several chunks ("F3@5"), and an
@@ -51,7 +63,7 @@ def parse(text: str) -> Schedule:
     0; "I" is a B with W split off, and torch's "B", a whole backward, is a B and its W where W is
     split off elsewhere), one rank per line, with communication and overlapped actions (`torch_compute`)."""
     placement, rows, found, named_twice = None, [], {}, None
-    for line in filter(None, (line.split("#")[0].strip() for line in text.splitlines())):
+    for line in in_stage_order([line.split("#")[0].strip() for line in text.splitlines()]):
         head, _, rest = line.rpartition(":")
         if head.strip().lower() == "placement":
             placement = rest.split()

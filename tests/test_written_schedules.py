@@ -204,6 +204,12 @@ def test_torchs_communication_and_overlapped_actions_read_as_the_compute_they_ca
     assert parse("\n".join(noisy)) == written
 
 
+def test_stages_labelled_in_another_order_are_read_in_stage_order():
+    text = format(one_f_one_b(3, 4, "never"))
+    upside_down = "\n".join(reversed(text.splitlines()))
+    assert parse(upside_down) == parse(text)
+
+
 def test_a_chunk_named_on_two_stages_without_a_placement_is_told_so():
     with pytest.raises(ValueError, match="chunk 1 is named on stage 0 and on stage 1: a chunk of layers lives on one"):
         parse("stage 0: F0@0 F0@1 B0@1 B0@0\nstage 1: F0@1 B0@1")
