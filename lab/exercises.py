@@ -95,6 +95,7 @@ SAYS = {
     "bubble times K": "that multiplies the bubble, the idle share, by K; the speedup counts the busy share",
     # the bubble in milliseconds
     "fill only": "that counts the fill only: in the drain the stage waits K-1 backward slots as well",
+    "recompute added": "that adds a recompute (one more forward) to each backward slot: this pipe recomputes nothing",
     "drain only": "that counts the drain only: in the fill the stage waits K-1 forward slots as well",
     "share, not time": "that is the bubble's share of the step; expected milliseconds: the K-1 forward and K-1 "
                        "backward slots the stage waits",
@@ -186,6 +187,8 @@ SAYS = {
                   "try every cut (or the engine's dynamic program) and keep the one whose costliest stage is cheapest",
     "variance cut": "your cut makes the stages' costs as even as possible (least variance or least spread), but the "
                     "pipeline runs at the pace of its costliest stage: minimize the maximum instead",
+    "rounded costs": "your cut is a best one for the costs rounded to whole numbers: the costs are measured, keep "
+                     "their fractions",
     "equal counts": "that gives the stages equal numbers of layers, whatever each layer costs: weigh the layers by "
                     "their costs, and keep the cut whose costliest stage is cheapest",
     "not the min-max": "the pipeline runs at the pace of its costliest stage: among all cuts, keep the one whose "
@@ -546,7 +549,8 @@ class Formula:
         found = []
         for i, name in enumerate(self.names):
             found += [(f"{name} = 1", lambda *a, _i=i: a[_i] == 1), (f"{name} > 1", lambda *a, _i=i: a[_i] > 1)]
-        for (i, a), (j, b) in itertools.permutations(enumerate(self.names), 2):
+        counts = [(i, name) for i, name in enumerate(self.names) if name in ("K", "M")]  # f and b are times
+        for (i, a), (j, b) in itertools.permutations(counts, 2):
             found += [(f"{a} ≥ {b}", lambda *v, _i=i, _j=j: v[_i] >= v[_j]),
                       (f"{a} > {b}", lambda *v, _i=i, _j=j: v[_i] > v[_j])]
         return found
@@ -555,8 +559,11 @@ class Formula:
         """The sentence of the first known mistake that gives `got` on every case: a mistake of the
         formula, the answer in another unit, or both at once."""
         def gives(mistake: Callable[..., float], scale: float = 1.0) -> bool:
-            return all(_close(mine, None if (v := _safely(mistake, case)) is None else scale * v, tolerance)
-                       for case, mine in zip(self.cases, got))
+            """The mistake's values on every case where it has one (a learner guards a division by
+            zero as they like), at least three of them."""
+            values = [(mine, _safely(mistake, case)) for case, mine in zip(self.cases, got)]
+            defined = [(mine, scale * v) for mine, v in values if v is not None]
+            return len(defined) >= 3 and all(_close(mine, v, tolerance) for mine, v in defined)
         known, units = self.known(), UNITS[self.unit]
         for family, mistake in known:
             if gives(mistake):
@@ -656,6 +663,7 @@ BUBBLE_MS = Formula(
      ("share, not time", lambda k, m, f, b: (k - 1) / (m + k - 1)),
      ("own work", lambda k, m, f, b: m * (f + b)), ("whole step", lambda k, m, f, b: (m + k - 1) * (f + b)),
      ("off by one slot", lambda k, m, f, b: k * (f + b)), ("precedence", lambda k, m, f, b: k - 1 * (f + b)),
+     ("recompute added", lambda k, m, f, b: (k - 1) * (2 * f + b)),
      ("precedence", lambda k, m, f, b: (k - 1) * f + b)),
     hint="the fill holds the last stage back K-1 forward slots, the drain the first stage K-1 backward slots",
     unit="ms")
@@ -992,6 +1000,23 @@ def greedy_cut(costs: Sequence[float], stages: int) -> list[int]:
     return counts + [running]
 
 
+def greedy_cuts(costs: Sequence[float], stages: int) -> list[list[int]]:
+    """The greedy walks a learner writes: close a stage once it reaches total/K, or just before it
+    would pass it; from the first layer, or from the last."""
+    target = sum(costs) / stages
+
+    def before(costs: Sequence[float]) -> list[int]:
+        counts, running, cost = [], 0, 0.0
+        for i, layer in enumerate(costs):
+            layers_left, stages_left = len(costs) - i, stages - len(counts) - 1
+            if running and stages_left and (layers_left == stages_left or cost + layer > target):
+                counts.append(running)
+                running, cost = 0, 0.0
+            running, cost = running + 1, cost + layer
+        return counts + [running]
+    return [greedy_cut(costs, stages), before(costs), greedy_cut(costs[::-1], stages)[::-1], before(costs[::-1])[::-1]]
+
+
 def variance_cut(costs: Sequence[float], stages: int) -> list[int]:
     """Another wrong answer: the cut whose stage costs vary least around their mean (the same sum
     for every cut, so least variance is the least sum of squares)."""
@@ -1049,7 +1074,8 @@ def check_best_cut(fn: Callable[[list, int], list]) -> str:
         yours.append(got)
         worst = max(_stage_costs(costs, got))
         if worst > best * (1 + 1e-9) + 1e-12:
-            families = (("greedy cut", _as(greedy_cut)), ("variance cut", _as(variance_cut)), ("equal counts", _even))
+            families = (("variance cut", _as(variance_cut)), ("greedy cut", lambda cut, c, k: cut in greedy_cuts(c, k)),
+                        ("equal counts", _even), ("rounded costs", _rounded))
             family = next((name for name, alike in families if _cuts_like(fn, alike)), "not the min-max")
             raise Feedback(f"costs {list(costs)}, K={stages}: your cut {got} has stages costing "
                            f"{[round(c, 4) for c in _stage_costs(costs, got)]}, the costliest {worst:g}; "
@@ -1072,6 +1098,12 @@ def _cuts_like(fn: Callable, alike: Callable[[list[int], Sequence[float], int], 
 def _as(rule: Callable[[Sequence[float], int], list[int]]) -> Callable[[list[int], Sequence[float], int], bool]:
     """The family of cuts that `rule` makes."""
     return lambda cut, costs, stages: cut == rule(costs, stages)
+
+
+def _rounded(cut: list[int], costs: Sequence[float], stages: int) -> bool:
+    """The family of cuts made for the costs rounded to whole numbers."""
+    whole = [round(c) for c in costs]
+    return max(_stage_costs(whole, cut)) <= max(_stage_costs(whole, solve(whole, stages)))
 
 
 def _even(cut: list[int], costs: Sequence[float], stages: int) -> bool:

@@ -214,7 +214,7 @@ MUTANTS = [
     (exercises.check_naive_bubble, lambda k: k - 1, "idle slots"),
     (exercises.check_naive_bubble, lambda k: 0.5, "constant"),
     (exercises.check_naive_bubble, lambda k: k - 1 / k, "precedence"),
-    (exercises.check_naive_bubble, lambda k: k / (k - 1) if k > 1 else 0, "no pattern"),
+    (exercises.check_naive_bubble, lambda k: (k - 1) / (k + 1), "no pattern"),
     (exercises.check_bubble, lambda k, m: m / (m + k - 1), "busy share"),
     (exercises.check_bubble, lambda k, m: (k - 1) / m, "divided by M"),
     (exercises.check_bubble, lambda k, m: (k - 1) / (m + k), "off by one slot"),
@@ -338,6 +338,11 @@ MUTANTS = [
     (exercises.check_best_cut, lambda costs, k: max(exercises._stage_costs(costs, solve(costs, k))), "cut shape"),
     (exercises.check_best_cut, lambda costs, k: [str(n) for n in solve(costs, k)], "cut shape"),
     (exercises.check_best_cut, greedy_that_never_advances, "too long"),
+    (exercises.check_best_cut, lambda costs, k: exercises.greedy_cuts(costs, k)[1], "greedy cut"),   # before passing
+    (exercises.check_best_cut, lambda costs, k: exercises.greedy_cuts(costs, k)[2], "greedy cut"),   # from the back
+    (exercises.check_best_cut, lambda costs, k: solve([round(c) for c in costs], k), "rounded costs"),
+    (exercises.check_bubble_ms, lambda k, m, f, b: (k - 1) * (2 * f + b), "recompute added"),
+    (exercises.check_naive_bubble, lambda k: k / (k - 1) if k > 1 else 0.0, "inverse"),   # guarded at K = 1
     (exercises.check_best_cut, lambda costs, k: [len(a) for a in np.array_split(costs, k)], "equal counts"),
     (exercises.check_best_cut, lambda costs, k: [len(costs) // k] * (k - 1) + [len(costs) - (k - 1) * (len(costs) // k)],
      "equal counts"),
