@@ -95,6 +95,8 @@ SAYS = {
     "bubble times K": "that multiplies the bubble, the idle share, by K; the speedup counts the busy share",
     # the bubble in milliseconds
     "fill only": "that counts the fill only: in the drain the stage waits K-1 backward slots as well",
+    "per micro-batch": "that divides by M: the K-1 forward and K-1 backward slots of waiting do not shrink as M grows",
+    "a share": "that is a share of K; expected how many micro-batches the stage holds, a count",
     "recompute added": "that adds a recompute (one more forward) to each backward slot: this pipe recomputes nothing",
     "drain only": "that counts the drain only: in the fill the stage waits K-1 forward slots as well",
     "share, not time": "that is the bubble's share of the step; expected milliseconds: the K-1 forward and K-1 "
@@ -634,7 +636,8 @@ BUBBLE = Formula(
      ("off by one slot", lambda k, m: (k - 1) / (m + k)), ("off by one slot", lambda k, m: k / (m + k - 1)),
      ("off by one slot", lambda k, m: (k - 1) / (m + k - 2)), ("idle slots", lambda k, m: k - 1),
      ("precedence", lambda k, m: k - 1 / (m + k - 1)), ("precedence", lambda k, m: (k - 1) / m + k - 1),
-     ("precedence", lambda k, m: k - 1 / m + k - 1)),
+     ("precedence", lambda k, m: k - 1 / m + k - 1),
+     ("special case", lambda k, m: (k - 1) / (m + k - 1) if m >= k else (k - 1) / k)),
     hint="the bubble is (K-1)/(M+K-1): K-1 idle slots of fill and drain out of M+K-1", unit="fraction")
 IDEAL_SPEEDUP = Formula(
     ("K", "M"), ((1, 1), (2, 1), (4, 4), (8, 32), (3, 5), (4, 2), (8, 1)), lambda k, m: k * m / (m + k - 1),
@@ -647,7 +650,8 @@ IN_FLIGHT = Formula(
     lambda stages, stage: theory.peak_in_flight("1f1b", stages, 64, stage),
     (("one less held", lambda stages, stage: stages - 1 - stage),
      ("counted from the end", lambda stages, stage: stage + 1),
-     ("same on every stage", lambda stages, stage: stages)),
+     ("same on every stage", lambda stages, stage: stages),
+     ("a share", lambda stages, stage: (stages - stage) / stages)),
     hint="the fill takes K-1-k forwards, then one forward and one backward alternate")
 BOUNDARY_BYTES = Formula(
     ("N", "bytes per sample"), ((1, 4.0), (32, 256.0), (64, 4096.0), (3, 100.0)), lambda n, b: 2 * n * b,
@@ -664,6 +668,7 @@ BUBBLE_MS = Formula(
      ("own work", lambda k, m, f, b: m * (f + b)), ("whole step", lambda k, m, f, b: (m + k - 1) * (f + b)),
      ("off by one slot", lambda k, m, f, b: k * (f + b)), ("precedence", lambda k, m, f, b: k - 1 * (f + b)),
      ("recompute added", lambda k, m, f, b: (k - 1) * (2 * f + b)),
+     ("per micro-batch", lambda k, m, f, b: (k - 1) * (f + b) / m),
      ("precedence", lambda k, m, f, b: (k - 1) * f + b)),
     hint="the fill holds the last stage back K-1 forward slots, the drain the first stage K-1 backward slots",
     unit="ms")

@@ -342,6 +342,8 @@ MUTANTS = [
     (exercises.check_best_cut, lambda costs, k: exercises.greedy_cuts(costs, k)[2], "greedy cut"),   # from the back
     (exercises.check_best_cut, lambda costs, k: solve([round(c) for c in costs], k), "rounded costs"),
     (exercises.check_bubble_ms, lambda k, m, f, b: (k - 1) * (2 * f + b), "recompute added"),
+    (exercises.check_bubble_ms, lambda k, m, f, b: (k - 1) * (f + b) / m, "per micro-batch"),
+    (exercises.check_in_flight, lambda k, s: (k - s) / k, "a share"),
     (exercises.check_naive_bubble, lambda k: k / (k - 1) if k > 1 else 0.0, "inverse"),   # guarded at K = 1
     (exercises.check_best_cut, lambda costs, k: [len(a) for a in np.array_split(costs, k)], "equal counts"),
     (exercises.check_best_cut, lambda costs, k: [len(costs) // k] * (k - 1) + [len(costs) - (k - 1) * (len(costs) // k)],
