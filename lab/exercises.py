@@ -239,6 +239,8 @@ SAYS = {
                      "exercise)",
     "holds too many": "it holds more micro-batches on a stage than 1F1B (at most K): start a stage's backwards once "
                       "its fill of K-1-k forwards is done, then alternate one forward and one backward",
+    "1F1B backward order": "1F1B runs each stage's backwards in micro-batch order, B0 first, each as soon as its "
+                           "gradient arrives; a later micro-batch's backward makes the earlier ones wait",
     "slower than 1F1B": "it holds few enough but takes longer than 1F1B: somewhere a stage waits where 1F1B runs a "
                         "forward; fill stage k with K-1-k forwards, then alternate",
     "still deadlocks": "it still deadlocks: the engine names the cycle of waits; move one task of that cycle so the "
@@ -1299,6 +1301,11 @@ def check_written_1f1b(text) -> str:
     if report.held > best.held:
         raise Feedback(f"{_unit_cost(report)}: {SAYS['holds too many']}")
     if report.makespan > best.makespan:
+        backwards = [[t.micro for t in tasks if t.op == "B"] for tasks in written]
+        if any(order != sorted(order) for order in backwards):
+            k = next(k for k, order in enumerate(backwards) if order != sorted(order))
+            raise Feedback(f"{_unit_cost(report)}, 1F1B's is {best.makespan:g}: stage {k} runs its backwards in the "
+                           f"order {backwards[k]}: {SAYS['1F1B backward order']}")
         raise Feedback(f"{_unit_cost(report)}, 1F1B's is {best.makespan:g}: {SAYS['slower than 1F1B']}")
     return f"✓ legal, 1F1B's {_unit_cost(report)}"
 

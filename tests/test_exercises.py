@@ -381,6 +381,8 @@ MUTANTS += [
     (exercises.check_written_1f1b, written(zb_h1(4, 8, "never")), "split in 1F1B"),
     (exercises.check_written_1f1b, written(gpipe(4, 8, "never")), "holds too many"),
     (exercises.check_written_1f1b, same_order_everywhere(split=False), "slower than 1F1B"),
+    (exercises.check_written_1f1b, "\n".join(line.replace("B4 B5 B6 B7", "B7 B6 B5 B4") for line in ONE_F_ONE_B.splitlines()),
+     "1F1B backward order"),
     (exercises.check_deadlock_fix, exercises.BROKEN, "still deadlocks"),
     (exercises.check_deadlock_fix, exercises.BROKEN.replace("F0 B0 F1 B1", "F0 F1 B0 B1"), "still deadlocks"),
     (exercises.check_deadlock_fix, FIXED.replace("stage 2: F0 F1 B0", "stage 2: B0 F0 F1"), "engine refuses"),
