@@ -21,7 +21,7 @@ import tempfile
 import weakref
 from datetime import timedelta
 
-from .process_tree import running
+from .process_tree import orphaned
 
 IFF_LOOPBACK = 0x8  # the interface flag Linux shows in /sys/class/net/NAME/flags
 STORE_FOLDER = re.compile(r"gpipe-store-(\d+)-")  # a Meeting's folder: named after the process that made it
@@ -63,17 +63,9 @@ def sweep_orphan_folders(under: str = "") -> list[str]:
     (SIGKILL, the OOM killer) or ended by os._exit runs no finalizer. Every new Meeting sweeps first,
     so a lab restarted that way all day does not fill the temporary folder."""
     under = under or tempfile.gettempdir()
-    removed = []
-    for name in sorted(os.listdir(under)):
-        owner = STORE_FOLDER.match(name)
-        path = os.path.join(under, name)
-        try:
-            if not owner or running(int(owner.group(1))) or os.stat(path).st_uid != os.getuid():
-                continue
-        except FileNotFoundError:  # another Meeting swept it first
-            continue
-        shutil.rmtree(path, ignore_errors=True)
-        removed.append(name)
+    removed = orphaned(under, STORE_FOLDER)
+    for name in removed:
+        shutil.rmtree(os.path.join(under, name), ignore_errors=True)
     return removed
 
 

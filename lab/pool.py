@@ -28,7 +28,7 @@ from engine.trace import Trace
 
 from .children import Children, ChildFailed, name_of, resolve
 from .loopback import Meeting
-from .process_tree import running
+from .process_tree import orphaned
 from .stage_server import START_SECONDS
 
 Recipe = Union[str, Callable]
@@ -190,14 +190,12 @@ def sweep_orphans() -> list[str]:
     if not os.path.isdir(SHM):
         return []
     removed = []
-    for name in sorted(os.listdir(SHM)):
-        owner = POOL_FILE.match(name)
-        if owner and not running(int(owner.group(1))):
-            try:
-                os.unlink(f"{SHM}/{name}")
-                removed.append(name)
-            except FileNotFoundError:  # another pool swept it first
-                pass
+    for name in orphaned(SHM, POOL_FILE):
+        try:
+            os.unlink(f"{SHM}/{name}")
+            removed.append(name)
+        except FileNotFoundError:  # another pool swept it first
+            pass
     return removed
 
 

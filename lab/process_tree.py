@@ -5,6 +5,8 @@ of their own, so stopping a command that may have started them means walking its
 """
 from __future__ import annotations
 
+import os
+import re
 from pathlib import Path
 
 
@@ -43,4 +45,20 @@ def descendants(pid: int) -> list[int]:
         below = children(todo.pop())
         found += below
         todo += below
+    return found
+
+
+def orphaned(folder: str, owner: re.Pattern) -> list[str]:
+    """The names in `folder` that `owner` matches (its group 1: the pid of the process that made
+    them), made by this user, whose process is gone: what a process killed outright left behind."""
+    found = []
+    for name in sorted(os.listdir(folder)):
+        made_by = owner.match(name)
+        if made_by is None or running(int(made_by.group(1))):
+            continue
+        try:
+            if os.stat(os.path.join(folder, name)).st_uid == os.getuid():
+                found.append(name)
+        except FileNotFoundError:  # swept by another process meanwhile
+            pass
     return found
