@@ -338,7 +338,7 @@ def check(schedule: list[list[Task]], micro_batches: int, checkpoint: str = "exc
     for k in sorted(set(range(stages)) ^ set(place)):
         raise ValueError(f"the placement {place} puts a chunk on stage {k}, but there are stages 0..{stages - 1}"
                          if k in place else f"the placement {place} puts no chunk on stage {k}")
-    if len(held := [place.count(k) for k in range(stages)]) > 1 and len(set(held)) > 1:
+    if len(set(held := [place.count(k) for k in range(stages)])) > 1:
         raise ValueError(f"the placement {place} gives the stages {held} chunks: every stage holds the same number")
     split, where = any(t.op == "W" for tasks in schedule for t in tasks), {}
     for k, tasks in enumerate(schedule):

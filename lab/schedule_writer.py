@@ -48,10 +48,10 @@ def in_stage_order(lines: list[str]) -> list[str]:
     lines = [line for line in lines if line]
     stages = [line for line in lines if not line.lower().startswith("placement")]
     labels = [re.match(r"stage\s*(\d+)\s*:", line, re.I) for line in stages]
-    if all(labels) and sorted(int(m[1]) for m in labels) == list(range(len(stages))):
-        by_label = iter(sorted(stages, key=lambda line: int(re.match(r"stage\s*(\d+)", line, re.I)[1])))
-        return [line if line.lower().startswith("placement") else next(by_label) for line in lines]
-    return lines
+    if not all(labels) or sorted(int(m[1]) for m in labels) != list(range(len(stages))):
+        return lines
+    by_label = iter(line for _, line in sorted(zip((int(m[1]) for m in labels), stages)))
+    return [line if line.lower().startswith("placement") else next(by_label) for line in lines]
 
 
 def parse(text: str) -> Schedule:
