@@ -520,17 +520,17 @@ class Formula:
             return
         said = f"{self.where(self.cases[wrong[0]])}: got {_shown(got[wrong[0]])}, expected {_shown(expected[wrong[0]])}"
         constant = len(set(got)) == 1
-        mistake = self.recognize(got, tolerance)
+        mistake = self.recognize(got, expected, tolerance)
         if mistake:
             # a constant that a mistake also gives: both are said, since either may be what was written
             raise Feedback(f"{said}: {SAYS['constant'] + '; or, if it computes, ' if constant else ''}{mistake}")
         if constant:
             raise Feedback(f"{said}: {SAYS['constant']}")
-        seen = self.pattern(got, expected, tolerance)
+        seen = self.pattern(got, expected, wrong, tolerance)
         raise Feedback(f"wrong in {len(wrong)} of {len(self.cases)} cases: {seen or self.hint}; "
                        f"{SAYS['no pattern']}\n{self.table(got, expected, wrong)}")
 
-    def pattern(self, got: list[float], expected: list[float], tolerance: float) -> Optional[str]:
+    def pattern(self, got: list[float], expected: list[float], wrong: list[int], tolerance: float) -> Optional[str]:
         """What the wrong answers have in common, when a simple rule says it: the same factor or the
         same offset on every case, or right exactly where a condition on the arguments holds."""
         if all(_close(g, 0.0, tolerance) for g, e in zip(got, expected) if e == 0):
@@ -540,7 +540,7 @@ class Formula:
         offsets = [g - e for g, e in zip(got, expected)]
         if all(math.isclose(d, offsets[0], rel_tol=tolerance, abs_tol=1e-9) for d in offsets):
             return f"each answer is {offsets[0]:+.4g} off the expected one: {SAYS['an offset']}"
-        right = [_close(g, e, tolerance) for g, e in zip(got, expected)]
+        right = [i not in wrong for i in range(len(got))]
         if sum(right) < 2:   # right on one case only (K = 1 makes many a formula trivially right): no rule
             return None
         for words, holds in self.conditions():
@@ -559,25 +559,25 @@ class Formula:
                       (f"{a} > {b}", lambda *v, _i=i, _j=j: v[_i] > v[_j])]
         return found
 
-    def recognize(self, got: list[float], tolerance: float) -> Optional[str]:
+    def recognize(self, got: list[float], expected: list[float], tolerance: float) -> Optional[str]:
         """The sentence of the first known mistake that gives `got` on every case: a mistake of the
         formula, the answer in another unit, or both at once."""
-        def gives(mistake: Callable[..., float], scale: float = 1.0) -> bool:
-            """The mistake's values on every case where it has one (a learner guards a division by
-            zero as they like), at least three of them."""
-            values = [(mine, _safely(mistake, case)) for case, mine in zip(self.cases, got)]
-            defined = [(mine, scale * v) for mine, v in values if v is not None]
+        def gives(values: list[Optional[float]], scale: float = 1.0) -> bool:
+            """A mistake's `values` match on every case where it has one (a learner guards a
+            division by zero as they like), at least three of them."""
+            defined = [(mine, scale * v) for mine, v in zip(got, values) if v is not None]
             return len(defined) >= 3 and all(_close(mine, v, tolerance) for mine, v in defined)
-        known, units = self.known(), UNITS[self.unit]
-        for family, mistake in known:
-            if gives(mistake):
+        known = [(family, [_safely(mistake, case) for case in self.cases]) for family, mistake in self.known()]
+        units = UNITS[self.unit]
+        for family, values in known:
+            if gives(values):
                 return _sentence(family)
         for scale, unit in units:
-            if gives(self.right, scale):
+            if gives(expected, scale):
                 return SAYS[unit]
         for scale, unit in units:
-            for family, mistake in known:
-                if gives(mistake, scale):
+            for family, values in known:
+                if gives(values, scale):
                     return f"{SAYS[unit]}; and besides, {_sentence(family)}"
         return None
 
@@ -842,7 +842,8 @@ def _engine_recompute(block: nn.Module, x: torch.Tensor) -> tuple[list[torch.Ten
         pipe.close()
 
 
-MICRO = 4   # micro-batches of the accumulation exercise, 6 samples each
+SAMPLES, MICRO = 24, 4   # the accumulation exercise's batch and micro-batches,
+MICRO_SIZE = SAMPLES // MICRO   # 6 samples each
 
 
 class _WatchedLoss(nn.CrossEntropyLoss):
@@ -867,7 +868,7 @@ def check_accumulation(fn: Callable) -> str:
     micro-batch by micro-batch into .grad."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 3))
-    x, y = torch.randn(24, 8), torch.randint(0, 3, (24,))
+    x, y = torch.randn(SAMPLES, 8), torch.randint(0, 3, (SAMPLES,))
     loss_fn = _WatchedLoss()
     loss_fn(model(x), y).backward()
     whole = torch.cat([p.grad.flatten() for p in model.parameters()])
@@ -898,8 +899,8 @@ def check_accumulation(fn: Callable) -> str:
     if not sizes and all(p.grad is None for p in model.parameters()):
         raise NotAttempted(f"{getattr(fn, '__name__', 'your function')} ran no forward: replace the `...` in it "
                            f"with your answer, run that cell, then this one")
-    if sizes != [6] * MICRO:
-        family = ("whole batch" if sizes == [24] else "split for chunk" if sizes == [MICRO] * 6 else
+    if sizes != [MICRO_SIZE] * MICRO:
+        family = ("whole batch" if sizes == [SAMPLES] else "split for chunk" if sizes == [MICRO] * MICRO_SIZE else
                   "micro-batch sizes")
         raise Feedback(f"the model ran on batches of {sizes} samples: {SAYS[family]}")
     held = _most_held(events)
@@ -918,7 +919,8 @@ def check_accumulation(fn: Callable) -> str:
         if holding:
             raise Feedback(f"the gradients are right, but {holding}")
         return "✓ the sum over micro-batches of (1/M) x mean loss gives the whole batch's gradients"
-    scaled = _scaled(inputs, x.chunk(MICRO)) and "scaled inputs" or _scaled(loss_fn.logits, outputs) and "scaled logits"
+    scaled = ("scaled inputs" if _scaled(inputs, x.chunk(MICRO)) else
+              "scaled logits" if _scaled(loss_fn.logits, outputs) else None)
     mistake = SAYS[scaled] if scaled else _accumulation_mistake(got, torch.stack(each, dim=1).double())
     raise Feedback(f"{mistake}; and besides, {holding}" if holding else mistake)
 
@@ -960,14 +962,15 @@ def _accumulation_mistake(got: torch.Tensor, each: torch.Tensor) -> str:
         return all(math.isclose(a, b, abs_tol=1e-4) for a, b in zip(w, pattern))
     last = [0.0] * (MICRO - 1)
     families = [("unscaled", [1.0] * MICRO), ("scaled twice", [MICRO ** -2] * MICRO),
-                ("divided by its size", [1 / 6] * MICRO), ("zero_grad inside", last + [1 / MICRO]),
+                ("divided by its size", [1 / MICRO_SIZE] * MICRO), ("zero_grad inside", last + [1 / MICRO]),
                 ("zero_grad inside", last + [1.0]), ("last one scaled", [1.0] * (MICRO - 1) + [1 / MICRO])]
     family = next((name for name, pattern in families if weighted(*pattern)), None)
     if family is None:
         family = "wrong scale" if max(w) - min(w) < 1e-4 else "uneven weights"
     if family == "wrong scale":   # one weight for all: say what it is in the exercise's own numbers
-        named = {MICRO: "micro (M), multiplied instead of divided", 24: "the batch's size",
-                 1 / 24: "1 / the batch's size", 6: "the micro-batch's size", 6 / MICRO: "len(xs) / micro",
+        named = {MICRO: "micro (M), multiplied instead of divided", SAMPLES: "the batch's size",
+                 1 / SAMPLES: "1 / the batch's size", MICRO_SIZE: "the micro-batch's size",
+                 MICRO_SIZE / MICRO: "len(xs) / micro",
                  1 / (MICRO - 1): "1 / (M - 1)", 1 / (MICRO + 1): "1 / (M + 1)"}
         said = next((words for value, words in named.items() if math.isclose(w[0], value, rel_tol=1e-3)), None)
         shown += f", that is {said}" if said else ""
@@ -1075,31 +1078,29 @@ def _cut_counts(value, costs: Sequence[float], stages: int) -> list[int]:
 def check_best_cut(fn: Callable[[list, int], list]) -> str:
     """fn(costs, K): layers per stage, consecutive, making the costliest stage as cheap as possible."""
     battery = cut_battery()
-    yours = []
     for costs, stages, best in battery:
         got = _cut_counts(_called(fn, list(costs), stages), costs, stages)
-        yours.append(got)
         worst = max(_stage_costs(costs, got))
         if worst > best * (1 + 1e-9) + 1e-12:
-            families = (("variance cut", _as(variance_cut)), ("greedy cut", lambda cut, c, k: cut in greedy_cuts(c, k)),
-                        ("equal counts", _even), ("rounded costs", _rounded))
-            family = next((name for name, alike in families if _cuts_like(fn, alike)), "not the min-max")
             raise Feedback(f"costs {list(costs)}, K={stages}: your cut {got} has stages costing "
                            f"{[round(c, 4) for c in _stage_costs(costs, got)]}, the costliest {worst:g}; "
-                           f"{solve(list(costs), stages)} gets the costliest down to {best:g}: {SAYS[family]}")
+                           f"{solve(list(costs), stages)} gets the costliest down to {best:g}: {SAYS[_cut_family(fn)]}")
     return (f"✓ on {len(battery)} cost lists (4 to 12 layers, K from 2 to 6) your cut's costliest stage is the "
             f"cheapest possible, as balance_by_time's solver finds it")
 
 
-def _cuts_like(fn: Callable, alike: Callable[[list[int], Sequence[float], int], bool]) -> bool:
-    """Whether the learner's cut is `alike` (a family's test of a cut) on every list of
-    SEPARATING_CUTS and the battery's first lists: a family is named only when the cut behaves as
-    that family does, not on one list."""
+def _cut_family(fn: Callable) -> str:
+    """The family of wrong cuts the learner's cut behaves as on every list of SEPARATING_CUTS and
+    the battery's first lists (a family is named only when the cut behaves as that family does, not
+    on one list), else "not the min-max"."""
     lists = [*SEPARATING_CUTS, *((list(c), k) for c, k, _ in cut_battery()[:20])]
     try:
-        return all(alike(_cut_counts(_called(fn, list(c), k), c, k), c, k) for c, k in lists)
+        cuts = [(_cut_counts(_called(fn, list(c), k), c, k), c, k) for c, k in lists]
     except Feedback:
-        return False
+        return "not the min-max"
+    families = (("variance cut", _as(variance_cut)), ("greedy cut", lambda cut, c, k: cut in greedy_cuts(c, k)),
+                ("equal counts", _even), ("rounded costs", _rounded))
+    return next((name for name, alike in families if all(alike(*cut) for cut in cuts)), "not the min-max")
 
 
 def _as(rule: Callable[[Sequence[float], int], list[int]]) -> Callable[[list[int], Sequence[float], int], bool]:
