@@ -1,6 +1,7 @@
 """The GPU and NCCL paths' decisions, checked on a CPU host with fakes (tests/test_cuda.py runs
 the real thing where there is a GPU)."""
 import collections
+import contextlib
 import dataclasses
 import queue
 import threading
@@ -11,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 from engine.device import pinned
+from engine.distributed import gloo_lane
 from engine.distributed.gloo_lane import GlooLane
 from engine.distributed.transport import ProcessTransport, Ranks, nccl_in, use_nccl
 from engine.distributed.works import until_completed
@@ -83,6 +85,40 @@ def test_a_failed_call_aborts_nccl_and_frees_the_sender_thread():
     assert all(group.aborted for group, _ in lane.tensor_groups.values())
     with pytest.raises(StageFailed, match="make a new one"):
         lane.begin()                               # a retried step says why it cannot run, instead of hanging
+
+
+class _EdgeGroup(_NcclGroup):
+    """An NCCL edge's group whose peer never posts its side of the probe."""
+
+    def send(self, tensors, peer, tag):
+        return _NeverCompletes()
+
+    recv = send
+
+
+@pytest.mark.parametrize("told", [False, True], ids=["peer silent", "failure told in the store"])
+def test_a_peer_dying_while_the_pipe_is_built_ends_connect_with_the_edges_named(monkeypatch, told):
+    """connect() polls its probes instead of synchronizing the device: a peer that died while the pipe
+    was built (its probe never matched) ends the wait at the deadline, or at once when a failure is
+    told in the store, with every edge's group aborted."""
+    monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
+    monkeypatch.setattr(torch, "zeros", lambda *shape, device=None: torch.empty(0))
+    monkeypatch.setattr(gloo_lane, "abort_group", lambda group: group.abort())
+    edges = {("act", 0, 1): (_EdgeGroup(), 1), ("grad", 1, 0): (_EdgeGroup(), 1)}
+    store = dist.HashStore()
+    if told:
+        store.set("broken", "[rank 1, stage 1] failed: CUDA out of memory")
+
+    def check():
+        if store.check(["broken"]):
+            raise StageFailed(store.get("broken").decode())
+
+    start = time.monotonic()
+    with pytest.raises(StageFailed, match="out of memory" if told else
+                       r"\('act', 0, 1\), \('grad', 1, 0\)\] not connected within 0.3 s.*has a peer died"):
+        gloo_lane.connect(edges, 0, torch.device("cuda", 0), check, within=0.3)
+    assert time.monotonic() - start < 5
+    assert all(group.aborted for group, _ in edges.values())
 
 
 def test_a_lost_neighbour_ends_the_wait_for_an_nccl_receive():

@@ -36,6 +36,7 @@ PREPOSTED = 8                                  # receives kept posted per neighb
 REAP_AFTER = 16                                # sends in flight before the sender thread releases some
 NEVER = datetime.timedelta(days=365)           # the lane's own groups never time out while idle
 CLOCK_ROUNDS = 8
+CONNECT_SECONDS = 600.0                         # every NCCL edge's first element, at most
 
 
 class _Link:
@@ -57,14 +58,14 @@ class GlooLane:
     """This rank's gloo (and NCCL) connections to its neighbouring stages."""
 
     def __init__(self, rank: int, pipelines: list, members: list[int], peers: list[int], device: torch.device,
-                 nccl: bool, wraps: bool = False):
+                 nccl: bool, wraps: bool = False, check=lambda: None):
         self.rank, self.device = rank, device
         self.name = "gloo+nccl" if nccl else "gloo"  # headers always on gloo; payloads between GPUs on NCCL
         self.wire = own_group(pipelines, members, backend="gloo", timeout=NEVER)
         # a two-rank NCCL group per edge carries traffic one way only: NCCL may hold a send until its
         # receive is posted, so two ranks could otherwise both wait on sends posted first
         self.tensor_groups = edge_groups(pipelines, members, len(members), wraps) if nccl else {}
-        connect(self.tensor_groups, rank, device)
+        connect(self.tensor_groups, rank, device, check)
         self._events: queue.SimpleQueue = queue.SimpleQueue()  # (link, slot) or (None, error, peer)
         self._in_flight: collections.deque = collections.deque()  # sends: (gloo works, NCCL works, buffers, peer)
         self._reap = threading.Condition()           # wakes the sender thread: reap what is in flight
@@ -311,16 +312,44 @@ def lands_on(kind: str, device: torch.device) -> torch.device:
     return device if kind in ("act", "grad") else torch.device("cpu")
 
 
-def connect(edges: dict, rank: int, device: torch.device) -> None:
+def connect(edges: dict, rank: int, device: torch.device, check=lambda: None,
+            within: float = CONNECT_SECONDS) -> None:
     """Connect every NCCL edge now, one element each, in one order for all ranks: NCCL connects on first
-    use, and a peer that died then would block a stage where no abort reaches it."""
+    use, and a peer that died then would block a stage where no abort reaches it. The host polls the
+    probes, calling `check` meanwhile (a device-wide synchronize would wait forever for a peer that
+    died while the pipe was built); probes not done within `within` seconds, or a failed one, abort
+    the edges' groups and raise StageFailed naming the edges."""
     if not edges:  # no NCCL on this lane
         return
+    deadline, probes = time.monotonic() + within, []
     with torch.cuda.device(device):
-        for (_, sender, _), (group, peer) in sorted(edges.items()):
+        for edge, (group, peer) in sorted(edges.items()):
             probe = torch.zeros(1, device=device)
-            (group.send if sender == rank else group.recv)([probe], peer, 0).wait()
-        torch.cuda.synchronize(device)
+            probes.append((edge, (group.send if edge[1] == rank else group.recv)([probe], peer, 0)))
+
+    def abort() -> None:
+        for group, _ in edges.values():
+            abort_group(group)
+
+    def give_up(why: str) -> StageFailed:
+        abort()
+        return StageFailed(f"rank {rank}: NCCL edge(s) {why} while the pipe was built; "
+                           f"has a peer died or stopped? (edges named (kind, sending stage, receiving stage))")
+
+    def late() -> None:
+        try:
+            check()
+        except StageFailed:
+            abort()
+            raise
+        if time.monotonic() > deadline:
+            raise give_up(f"{[edge for edge, work in probes if not work.is_completed()]} not connected "
+                          f"within {within:g} s")
+
+    until_completed([work for _, work in probes], late, every=0.05, pause_cap=1e-2)
+    failed = [(edge, work.exception()) for edge, work in probes if work.exception() is not None]
+    if failed:
+        raise give_up(f"{[edge for edge, _ in failed]} failed ({str(failed[0][1]).splitlines()[0][:200]})")
 
 
 def nccl_edges(size: int, wraps: bool) -> list[tuple[str, int, int]]:

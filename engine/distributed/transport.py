@@ -190,7 +190,8 @@ class ProcessTransport:
         if asked == "shm":
             raise ValueError("GPIPE_LANE=shm but the ranks are not all on this host, or the stages are on GPUs")
         return GlooLane(self.ranks.rank, world.pipelines, members, peers, self.device,
-                        nccl=use_nccl(world.device_types, world.nccl, world.gpus), wraps=wraps)
+                        nccl=use_nccl(world.device_types, world.nccl, world.gpus), wraps=wraps,
+                        check=lambda: self._told("broken"))
 
     # --- one call ---------------------------------------------------------------------------
 
@@ -264,9 +265,7 @@ class ProcessTransport:
     def check_failures(self) -> None:
         """Raise StageFailed if a rank reported a failure of the current call, or a rank was lost."""
         try:
-            for key in ("broken", f"failed/{self.step}"):
-                if self.shared.check([key]):
-                    raise StageFailed(self.shared.get(key)[:4 * NOTE_CHARS].decode(errors="replace")[:NOTE_CHARS])
+            self._told("broken", f"failed/{self.step}")
         except StageFailed:
             self.lane.abandon()
             raise
@@ -274,6 +273,12 @@ class ProcessTransport:
             self.lane.abandon()
             raise StageFailed(f"rank {self.ranks.rank} lost the pipeline's store, the side channel every rank "
                               f"shares (it lives with the launcher or the process that made it): {error}") from None
+
+    def _told(self, *keys: str) -> None:
+        """Raise StageFailed with the note a rank left in the shared store under any of `keys`."""
+        for key in keys:
+            if self.shared.check([key]):
+                raise StageFailed(self.shared.get(key)[:4 * NOTE_CHARS].decode(errors="replace")[:NOTE_CHARS])
 
     def _check_receiving(self) -> None:
         """While the host waits for an NCCL receive: a connection the lane lost, or a failure told in the store."""
