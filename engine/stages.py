@@ -34,16 +34,18 @@ class LocalStages:
         return self.chunk_count - 1 in self.chunks
 
     def start(self, call: Call) -> float:
-        """Begin a call and return its time origin (a perf_counter reading), taken once every GPU of
-        these stages is idle, so that host and GPU clocks start together: peak memory reset per
-        device, and one activation ledger per stage, shared by all of its chunks."""
+        """Begin a call and return its time origin (a perf_counter reading), taken once the streams of
+        these stages are idle (not the whole GPU: an NCCL receive posted for this call may be pending on
+        its own), so that host and GPU clocks start together: peak memory reset per device, and one
+        activation ledger per stage, shared by all of its chunks."""
         gpus = {d.device for d in self.devices.values() if d.is_cuda}
+        self.settle()
         for gpu in gpus:
-            torch.cuda.synchronize(gpu)
+            torch.cuda.current_stream(gpu).synchronize()
             torch.cuda.reset_peak_memory_stats(gpu)
         t0 = time.perf_counter()
         origins = {gpu: torch.cuda.Event(enable_timing=True) for gpu in gpus}
-        for gpu, origin in origins.items():  # GPUs idle: an event on any stream of one marks "now" for all
+        for gpu, origin in origins.items():  # streams idle: an event on one marks "now" for all
             origin.record(torch.cuda.current_stream(gpu))
         for stage, device in self.devices.items():
             device.start(t0, origins.get(device.device))

@@ -331,3 +331,43 @@ def test_the_gpu_pages_expected_figures_follow_from_the_cut_the_tables_make():
         equal = [theory.on_paper_scale(k, m) for k in (4, 8)]
         row = f"| {m} | " + " | ".join(f"{v:.2f}" for v in cut) + " | " + ", ".join(f"{v:.2f}" for v in equal) + " |"
         assert row in page, row
+
+
+def test_a_call_starts_once_its_stages_streams_are_idle_not_the_whole_gpu(monkeypatch):
+    """A call's time origin waits for the stages' own streams and the current one, never for the whole
+    GPU: an NCCL receive posted for this call (its header came first) is pending on a stream of its
+    own, and a device-wide synchronize would wait for it, forever if its sender died."""
+    from engine.stages import LocalStages
+    synchronized = []
+
+    class Stream:
+        def __init__(self, name):
+            self.name = name
+
+        def synchronize(self):
+            synchronized.append(self.name)
+
+    class Device:  # a StageDevice on cuda:0, as far as LocalStages.start uses one
+        is_cuda, device = True, torch.device("cuda", 0)
+
+        def __init__(self, stage):
+            self.stream = Stream(f"stage {stage}")
+
+        def settle(self):
+            self.stream.synchronize()
+
+        def start(self, t0, origin):
+            assert origin is not None
+
+        def on_stream(self):
+            return contextlib.nullcontext()
+
+    def device_wide(device=None):
+        raise AssertionError("a device-wide synchronize waits for every stream, NCCL's receives included")
+
+    monkeypatch.setattr(torch.cuda, "synchronize", device_wide)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device: Stream("current"))
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda device: None)
+    monkeypatch.setattr(torch.cuda, "Event", lambda enable_timing: type("Event", (), {"record": lambda self, s: None})())
+    LocalStages({}, {0: Device(0), 1: Device(1)}, 2).start(call=None)
+    assert sorted(synchronized) == ["current", "stage 0", "stage 1"]
