@@ -103,17 +103,47 @@ def step_peak(peaks: list[int], baselines: list[int]) -> int:
     return max(peak - base for peak, base in zip(peaks, baselines))
 
 
+def stream_workspace(gpu: int) -> int:
+    """Bytes cuBLAS and cuBLASLt allocate on GPU `gpu` for a new stream's first matrix products (a
+    workspace per stream, the library's and not the model's, several MiB): measured on a fresh stream,
+    then freed."""
+    clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", lambda: None)
+    clear()
+    before, stream = torch.cuda.memory_allocated(gpu), torch.cuda.Stream(gpu)
+    with torch.cuda.stream(stream):
+        a = torch.ones(64, 64, device=torch.device("cuda", gpu), requires_grad=True)
+        torch.nn.functional.linear(a, a, a[0]).sum().backward()
+    stream.synchronize()
+    del a
+    grown = torch.cuda.memory_allocated(gpu) - before
+    clear()
+    return max(grown, 0)
+
+
+def library_workspaces(devices: list[str], per_stream=stream_workspace) -> dict[int, int]:
+    """Bytes per GPU index that the library's workspaces take for stages on `devices` (one stream per
+    stage, so two stages on one GPU take two): not counted against a memory budget."""
+    measured: dict[int, int] = {}
+    held: dict[int, int] = {}
+    for name in devices:
+        gpu = torch.device(name).index or 0
+        if gpu not in measured:
+            measured[gpu] = per_stream(gpu)
+        held[gpu] = held.get(gpu, 0) + measured[gpu]
+    return held
+
+
 def footprint_cuda(config: RunConfig, budget: int) -> tuple[int, int, bool]:
     """(parameter count, largest per-GPU peak of the step, fitted) for one training step with every
     stage on a GPU of its own, under a real cap: "does not fit" is a real out-of-memory error, and
-    a step that ran fits if no GPU allocated more than `budget` for it. The cap is lifted after."""
+    a step that ran fits if no GPU allocated more than `budget` for it, the stage streams' library
+    workspaces not counted (`library_workspaces`). The cap is lifted after."""
     gpus = range(torch.cuda.device_count())
     params, pipe = 0, None
     try:
-        if hasattr(torch._C, "_cuda_clearCublasWorkspaces"):  # each probe's new streams would add their own
-            torch._C._cuda_clearCublasWorkspaces()
         torch.cuda.empty_cache()
-        baselines = [torch.cuda.memory_allocated(d) for d in gpus]
+        workspaces = library_workspaces(devices_for(config))
+        baselines = [torch.cuda.memory_allocated(d) + workspaces.get(d, 0) for d in gpus]
         for d in gpus:
             torch.cuda.reset_peak_memory_stats(d)
             torch.cuda.set_per_process_memory_fraction(
