@@ -59,6 +59,7 @@ ROW_SECONDS = 240      # at most, for one GPU row in its own process
 REPORT_SECONDS = 480   # --report: the rows and every part together, on one GPU
 REPORT_ROWS_SECONDS = 180  # of which the rows get at most this; the parts share the rest (`part_limit`)
 MIN_PART_SECONDS = 5   # a part is not started with less time left than this
+PART_GRACE_SECONDS = 20  # a part out of time gets a Ctrl-C this long before it is killed, to write its rows
 
 
 @dataclass(frozen=True)
@@ -314,19 +315,30 @@ def climbed(sizing) -> str:
             + ("met)" if met else "not met by the quick sizes; `lab.reproduce speedup --device cuda` grows it further)"))
 
 
-def bounded(args: list[str], seconds: float, env: Optional[dict] = None) -> tuple[Optional[int], str]:
+def bounded(args: list[str], seconds: float, env: Optional[dict] = None,
+            grace: float = 0.0) -> tuple[Optional[int], str]:
     """Run `python args...` in the project for at most `seconds`, then stop it and everything it
     started (torchrun's workers, stage processes); its exit code (None if it ran out of time) and
-    its output, stdout and stderr together."""
+    its output, stdout and stderr together. With `grace`, the last `grace` of those seconds begin
+    with a Ctrl-C (SIGINT) to the command alone, so that it can write what it finished
+    (lab.reproduce writes its finished rows)."""
     with tempfile.TemporaryFile("w+") as log:
         process = subprocess.Popen([sys.executable, *args], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, text=True,
                                    start_new_session=True, env={**os.environ, **(env or {})})
+        tree: list[int] = []
         try:
-            code = process.wait(timeout=seconds)
+            code = process.wait(timeout=max(seconds - grace, 0.0))
         except subprocess.TimeoutExpired:
             code = None
+            if grace > 0:
+                tree = descendants(process.pid)  # as it was when interrupted: it may exit and orphan them
+                process.send_signal(signal.SIGINT)
+                try:
+                    process.wait(timeout=grace)
+                except subprocess.TimeoutExpired:
+                    pass
         finally:
-            tree = descendants(process.pid)  # torchrun's workers run in sessions of their own
+            tree = [*tree, *descendants(process.pid)]  # torchrun's workers run in sessions of their own
             try:
                 os.killpg(process.pid, signal.SIGKILL)  # whatever is left of it
             except ProcessLookupError:
@@ -527,8 +539,8 @@ def run_part(part: Part, deadline: float, gpus: int, later: tuple = (), tail_lin
     if limit < MIN_PART_SECONDS:
         return Outcome(part, f"skipped: the report's {REPORT_SECONDS} s were spent", False)
     start = time.perf_counter()
-    code, output = bounded(part.args, limit, part.env)
-    status = f"timed out after {limit:.0f} s (stopped)" if code is None else f"exit status {code}"
+    code, output = bounded(part.args, limit, part.env, grace=min(PART_GRACE_SECONDS, limit / 4))
+    status = f"timed out after {limit:.0f} s (interrupted, then stopped)" if code is None else f"exit status {code}"
     figures = part.figures.read_text() if part.figures is not None and part.figures.exists() else ""
     return Outcome(part, status, code == 0, time.perf_counter() - start,
                    "\n".join(output.rstrip().splitlines()[-tail_lines:]), figures)

@@ -50,6 +50,13 @@ def test_each_part_is_bounded_says_its_exit_status_and_leaves_no_process(tmp_pat
     while os.path.exists(f"/proc/{grandchild}") and doctor.time.monotonic() < until:
         doctor.time.sleep(0.05)
     assert not os.path.exists(f"/proc/{grandchild}")
+    rows = tmp_path / "rows.md"   # a part that writes its finished rows on Ctrl-C, as lab.reproduce does
+    writes = ["-c", f"import time\ntry:\n    time.sleep(60)\nexcept KeyboardInterrupt:\n"
+                    f"    open({str(rows)!r}, 'w').write('| K | x |\\n|---|---|\\n| 2 | 1.8 |')"]
+    monkeypatch.setattr(doctor, "PART_GRACE_SECONDS", 2)
+    interrupted = doctor.run_part(doctor.Part("interrupted", writes, 4, figures=rows), doctor.time.monotonic() + 8, 1)
+    assert interrupted.status.startswith("timed out after 8 s (interrupted") and interrupted.seconds < 9
+    assert "| 2 | 1.8 |" in interrupted.figures, "the rows finished before the deadline are in the report"
     spent = doctor.run_part(doctor.Part("late", ["-c", "pass"], 30), doctor.time.monotonic(), 1)
     assert not spent.passed and spent.status.startswith("skipped: the report's")
     text = doctor.report_text([("python", sys.version.split()[0])], [], [], [done, failed, stopped, spent], 3.0)
@@ -62,7 +69,7 @@ def test_the_parts_share_what_the_rows_left_and_end_by_the_reports_deadline(tmp_
     clock = [1000.0]
     monkeypatch.setattr(doctor.time, "monotonic", lambda: clock[0])
 
-    def runs_out(args, limit, env=None):
+    def runs_out(args, limit, env=None, grace=0.0):
         clock[0] += limit
         return None, ""
     monkeypatch.setattr(doctor, "bounded", runs_out)
