@@ -253,42 +253,48 @@ def trace_in_order(device: str) -> Check:
     return check
 
 
-def one_gpu_every_k() -> str:
-    """K=1, 2 and 3 stages sharing cuda:0 agree (within GPU_TOLERANCE) and are close to the CPU."""
-    got = {k: gradients(["cuda:0"] * k, k)[0] for k in (1, 2, 3)}
-    apart = max(relative_difference(got[k], got[1]) for k in (2, 3))
-    alike = all(torch.equal(a, b) for k in (2, 3) for a, b in zip(got[1], got[k]))
-    assert apart <= GPU_TOLERANCE, f"K=2 or 3 differs from K=1 on cuda:0 by {apart:.1e} of the largest gradient"
-    cpu, _ = gradients("cpu", 1)
-    difference = largest_difference(got[1], cpu)
-    assert difference < 1e-4, f"cuda:0 differs from the CPU by {difference:.2e}"
-    return (f"K=1, 2, 3 on cuda:0 {'bit for bit alike' if alike else f'within {apart:.0e} of each other'} "
-            f"(tolerance {GPU_TOLERANCE:g} of the largest gradient: cuBLAS promises no bitwise equality across "
-            f"streams); {difference:.1e} from the CPU (float32)")
+def every_k_on_one(device: str) -> Check:
+    """K=1, 2 and 3 stages sharing `device` agree (within GPU_TOLERANCE) and are close to the CPU."""
+    def check() -> str:
+        got = {k: gradients([device] * k, k)[0] for k in (1, 2, 3)}
+        apart = max(relative_difference(got[k], got[1]) for k in (2, 3))
+        alike = all(torch.equal(a, b) for k in (2, 3) for a, b in zip(got[1], got[k]))
+        assert apart <= GPU_TOLERANCE, f"K=2 or 3 differs from K=1 on {device} by {apart:.1e} of the largest gradient"
+        cpu, _ = gradients("cpu", 1)
+        difference = largest_difference(got[1], cpu)
+        assert difference < 1e-4, f"{device} differs from the CPU by {difference:.2e}"
+        return (f"K=1, 2, 3 on {device} {'bit for bit alike' if alike else f'within {apart:.0e} of each other'} "
+                f"(tolerance {GPU_TOLERANCE:g} of the largest gradient: cuBLAS promises no bitwise equality across "
+                f"streams); {difference:.1e} from the CPU (float32)")
+    return check
 
 
-def hop_to_host() -> str:
-    """A GPU stage handing over to a CPU stage gives the unpipelined gradients (float64)."""
-    got, _ = gradients(["cuda:0", "cpu"], 2, dtype=torch.float64)
-    difference = largest_difference(got, unpipelined())
-    assert difference < 1e-10, f"a GPU stage then a CPU stage differs by {difference:.2e}"
-    return f"stage 0 on cuda:0, stage 1 on the CPU: within {difference:.0e} of the unpipelined step"
+def hop_to_host(device: str) -> Check:
+    """A stage on `device` handing over to a CPU stage gives the unpipelined gradients (float64)."""
+    def check() -> str:
+        got, _ = gradients([device, "cpu"], 2, dtype=torch.float64)
+        difference = largest_difference(got, unpipelined())
+        assert difference < 1e-10, f"a stage on {device} then a CPU stage differs by {difference:.2e}"
+        return f"stage 0 on {device}, stage 1 on the CPU: within {difference:.0e} of the unpipelined step"
+    return check
 
 
-def serial_alone() -> str:
-    """A serial step on the GPUs runs one task at a time: no two overlap (beyond the origin skew)."""
-    slack = trace_slack("cuda")
-    model = build_mlp(**check_model(width=256))
-    x, y = mlp_batch(256, 256)
-    pipe = GPipe(model, 2, devices="cuda", chunks=MICRO)
-    try:
-        pipe.step(x, y, LOSS, serial=True)
-        events = sorted(pipe.trace.events, key=lambda e: e.start)
-    finally:
-        pipe.close()
-    overlaps = [(a, b) for a, b in zip(events, events[1:]) if b.start < a.end - slack]
-    assert not overlaps, f"{len(overlaps)} serial tasks overlap on the GPU, e.g. {overlaps[0]}"
-    return f"{len(events)} tasks of a serial run, none overlapping another (within {slack * 1e6:.0f} us)"
+def serial_alone(device: str) -> Check:
+    """A serial step on `device` (its GPUs) runs one task at a time: no two overlap (beyond the origin skew)."""
+    def check() -> str:
+        slack = trace_slack(device)
+        model = build_mlp(**check_model(width=256))
+        x, y = mlp_batch(256, 256)
+        pipe = GPipe(model, 2, devices=device, chunks=MICRO)
+        try:
+            pipe.step(x, y, LOSS, serial=True)
+            events = sorted(pipe.trace.events, key=lambda e: e.start)
+        finally:
+            pipe.close()
+        overlaps = [(a, b) for a, b in zip(events, events[1:]) if b.start < a.end - slack]
+        assert not overlaps, f"{len(overlaps)} serial tasks overlap on {device}, e.g. {overlaps[0]}"
+        return f"{len(events)} tasks of a serial run, none overlapping another (within {slack * 1e6:.0f} us)"
+    return check
 
 
 def gpu_sets_the_pace() -> str:
@@ -407,11 +413,11 @@ CPU_ROWS: dict[str, Check] = {"threads: K=2 equals K=1": threads_equal_one_stage
                               "every schedule, CPU": schedules_match("cpu"),
                               "trace order, CPU": trace_in_order("cpu")}
 # run each in a process of its own (isolated); `python -m lab.doctor --row NAME` runs one of either here
-GPU_ROWS: dict[str, Check] = {"one GPU: K=1, 2, 3": one_gpu_every_k,
+GPU_ROWS: dict[str, Check] = {"one GPU: K=1, 2, 3": every_k_on_one("cuda:0"),
                               "every schedule, GPU": schedules_match("cuda"),
                               "trace order, GPU": trace_in_order("cuda"),
-                              "hop GPU to CPU": hop_to_host,
-                              "serial timing, GPU": serial_alone,
+                              "hop GPU to CPU": hop_to_host("cuda:0"),
+                              "serial timing, GPU": serial_alone("cuda"),
                               "processes on GPUs": processes_equal_threads(device="cuda"),
                               "Table 2 sized for the GPU": gpu_sets_the_pace}
 

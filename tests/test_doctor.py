@@ -55,6 +55,18 @@ def test_trace_order_finds_a_task_that_started_before_its_input_was_ready():
     assert doctor.trace_slack("cpu") == doctor.CPU_SLACK
 
 
+@pytest.mark.parametrize("row", [doctor.every_k_on_one, doctor.hop_to_host, doctor.serial_alone,
+                                 doctor.schedules_match, doctor.trace_in_order,
+                                 lambda device: doctor.processes_equal_threads(device=device)],
+                         ids=["every K on one", "hop", "serial", "schedules", "trace order", "processes"])
+def test_each_gpu_rows_body_runs_on_the_cpu(row):
+    """The doctor's GPU rows are written over a device: CI runs each one's code on the CPU, so a
+    mistake in it fails here and not first on a rented GPU (the sizing row's judgement has its own
+    test in test_gpu_logic.py; its measurement needs a GPU)."""
+    said = row("cpu")()
+    assert said and "cuda" not in said
+
+
 @pytest.mark.skipif(not doctor.torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_the_gpu_rows_pass():
     checks, _ = doctor.checklist(cli=False)  # each GPU row in a process of its own
