@@ -304,20 +304,19 @@ def gpu_sets_the_pace() -> str:
 
 
 def climbed(sizing) -> str:
-    """A GPU table's sizing that worked: every stage's GPU time per task over the host's time issuing
-    it measured at K=8, M=32 (the smallest tasks), and rising with the work per task from the
-    ladder's first measured rung to its last. Whether the quick ladder reaches GPU_TARGET is said,
-    not required: on a fast GPU its sizes stay launch-bound, and `lab.reproduce speedup --device
-    cuda` climbs the full ladder."""
+    """A GPU table's sizing that worked: every rung it could run measured, and each stage's GPU time
+    per task over the host's time issuing it, at K=8, M=32 (the smallest tasks), a positive number
+    for all 8 stages. Whether the quick sizes reach GPU_TARGET is said, not required: on a fast GPU
+    they stay launch-bound (both times about equal, whatever the size), and `lab.reproduce speedup
+    --device cuda` climbs the full ladder."""
     from lab import speedup
-    rungs = [min(r) for _, _, r in sizing.tried if not isinstance(r, str)]
-    assert rungs and sizing.ratios and min(sizing.ratios) > 0, f"no rung could be measured: tried {sizing.tried}"
-    met = min(sizing.ratios) >= speedup.GPU_TARGET
-    assert met or len(rungs) < 2 or rungs[-1] > rungs[0], \
-        f"more work per task did not raise the GPU's share of it: {sizing.describe()}"
-    ratios = ", ".join(f"{r:.1f}" for r in sizing.ratios)
+    ratios = sizing.ratios
+    assert len(ratios) == 8 and all(0 < r < float("inf") for r in ratios), \
+        f"the sizing measured no usable rung: ratios {ratios}, tried {sizing.tried}"
+    met = min(ratios) >= speedup.GPU_TARGET
+    said = ", ".join(f"{r:.1f}" for r in ratios)
     return (f"quick Table 2 model sized to width {sizing.config.width}, batch {sizing.config.batch}: GPU time "
-            f"over host time per task, per stage at K=8, M=32: {ratios} (target {speedup.GPU_TARGET:g}x "
+            f"over host time per task, per stage at K=8, M=32: {said} (target {speedup.GPU_TARGET:g}x "
             + ("met)" if met else "not met by the quick sizes; `lab.reproduce speedup --device cuda` grows it further)"))
 
 

@@ -2,6 +2,7 @@
 (no `ss` or `lsof` needed)."""
 import ipaddress
 import os
+import signal
 import subprocess
 import time
 from pathlib import Path
@@ -58,7 +59,11 @@ def run_watching_sockets(command: list[str], timeout: float, **options) -> tuple
             seen |= listening([process.pid, *descendants(process.pid)])
             time.sleep(0.1)
     finally:
-        if process.poll() is None:
-            process.kill()
+        if process.poll() is None:  # out of time: it and everything it started (rows run in sessions of their own)
+            for pid in [*descendants(process.pid), process.pid]:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
         out, err = process.communicate()
     return subprocess.CompletedProcess(command, process.returncode, out, err), seen
