@@ -96,4 +96,11 @@ def shutdown_pool() -> None:
         _pool = None
 
 
+def free_gpus() -> None:
+    """Stop the shared pool once no run holds it: for a caller that needs its GPUs free (the GPU
+    table, before each cell), without stopping another session's run midway."""
+    with _turn:
+        shutdown_pool()
+
+
 atexit.register(shutdown_pool)

@@ -251,7 +251,7 @@ def measure_table(base: RunConfig, stages: Iterable[int] = (1, 2, 4, 8), micro: 
             if k > base.layers:
                 continue
             if base.device == "cuda":  # every run finds the GPUs as free as the sizing found them
-                processes.shutdown_pool()
+                processes.free_gpus()
                 free_gpu_memory()
             if progress is not None:
                 progress(f"K={k}, M={m}")

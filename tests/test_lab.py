@@ -1,4 +1,5 @@
 """lab/: theory against hand values, replays against theory, chart builders, experiments, models."""
+import threading
 from pathlib import Path
 
 import pytest
@@ -349,3 +350,20 @@ def test_the_first_drawing_is_an_svg_gantt_of_the_same_timeline():
     assert len(bars) == len(line.bars) == 3 * (4 + 3 + 4)
     assert sum(charts.OPS["R"][1] in bar for bar in bars) == 3 * 3   # recompute bars, coloured as in gantt
     assert all(f"stage {k}</text>" in svg for k in range(3)) and f"bubble {line.bubble:.0%}" in svg
+
+
+def test_the_gpu_table_frees_the_gpus_only_between_other_sessions_runs(monkeypatch):
+    """Before each GPU cell the table stops the shared pool, but never under a run another session
+    holds: it waits for that run's turn to end."""
+    from lab import processes
+    stopped = []
+    monkeypatch.setattr(processes, "shutdown_pool", lambda: stopped.append(processes.busy()))
+    processes._turn.acquire()   # another session's run holds the pool
+    freeing = threading.Thread(target=processes.free_gpus)
+    freeing.start()
+    freeing.join(0.3)
+    assert freeing.is_alive() and stopped == [], "it waits for the run to end"
+    processes._turn.release()
+    freeing.join(5)
+    assert stopped == [True], "then stops the pool, holding the turn itself"
+    assert not processes.busy()
