@@ -329,7 +329,8 @@ def bounded(args: list[str], seconds: float, env: Optional[dict] = None,
     (lab.reproduce writes its finished rows)."""
     with tempfile.TemporaryFile("w+") as log:
         process = subprocess.Popen([sys.executable, *args], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, text=True,
-                                   start_new_session=True, env={**os.environ, **(env or {})})
+                                   start_new_session=True,  # unbuffered: a stopped command's last lines are kept
+                                   env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
         tree: list[int] = []
         try:
             code = process.wait(timeout=max(seconds - grace, 0.0))

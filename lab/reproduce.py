@@ -456,10 +456,13 @@ ALL = ("speedup", "memory", "peers")
 def main(argv: Iterable[str] = None) -> int:
     args = parser().parse_args(argv)
     try:
-        check(args)
+        check(args)  # on a GPU this sizes the table's model (lab.speedup.sized_for_gpu): minutes
     except ValueError as error:
         print(f"python -m lab.reproduce: error: {error}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print("stopped by Ctrl-C before any row was measured (while sizing the model for the GPU)", file=sys.stderr)
+        return 130
     if getattr(args, "device", "cpu") == "cpu":
         keep_freed_cpu_memory()
     names = list(ALL) if args.command == "all" else [args.command]

@@ -177,6 +177,16 @@ def test_ctrl_c_keeps_finished_rows(tmp_path, monkeypatch, capsys):
     assert "# interrupted" in (tmp_path / "speedup.md").read_text()
 
 
+def test_ctrl_c_while_sizing_for_the_gpu_is_said_in_one_line(monkeypatch, capsys):
+    """On a GPU, `check` sizes the model for minutes before any row: a Ctrl-C there (the doctor's
+    report sends one to a part out of time) ends with a line saying nothing was measured yet."""
+    def sizing(args):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(reproduce, "check", sizing)
+    assert reproduce.main(["speedup", "--quick"]) == 130
+    assert "before any row was measured" in capsys.readouterr().err
+
+
 def test_the_markdown_table_has_every_column_any_row_has():
     """The K=1 cells come first and have no "threads beside" figure: the column is still there."""
     table = reproduce.markdown([{"K": 1, "M": 4}, {"K": 2, "M": 4, "threads beside": "1.2x"}])
