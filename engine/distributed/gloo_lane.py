@@ -65,7 +65,6 @@ class GlooLane:
         # a two-rank NCCL group per edge carries traffic one way only: NCCL may hold a send until its
         # receive is posted, so two ranks could otherwise both wait on sends posted first
         self.tensor_groups = edge_groups(pipelines, members, len(members), wraps) if nccl else {}
-        connect(self.tensor_groups, rank, device, check)
         self._events: queue.SimpleQueue = queue.SimpleQueue()  # (link, slot) or (None, error, peer)
         self._in_flight: collections.deque = collections.deque()  # sends: (gloo works, NCCL works, buffers, peer)
         self._reap = threading.Condition()           # wakes the sender thread: reap what is in flight
@@ -80,6 +79,19 @@ class GlooLane:
         self._threads.append(threading.Thread(target=self._complete_sends, daemon=True, name=f"gpipe-send-{rank}"))
         for thread in self._threads:
             thread.start()
+        try:  # with the listeners up: a neighbour that dies now is seen on its gloo connection
+            connect(self.tensor_groups, rank, device, lambda: (check(), self._raise_if_lost()))
+        except BaseException:
+            self._abandoned = True  # connect aborted the NCCL groups
+            self.close(-1, timeout=1.0)
+            raise
+
+    def _raise_if_lost(self) -> None:
+        """Raise StageFailed if a listener lost its neighbour (while the pipe is built)."""
+        if self.error is not None:
+            peer, error = self.error
+            raise StageFailed(f"rank {self.rank} lost rank {peer} while the pipe was built: "
+                              f"{str(error).splitlines()[0][:200]}")
 
     def begin(self) -> None:
         """A new call: free the last call's send buffers (refused after a call that aborted NCCL)."""

@@ -162,7 +162,11 @@ class ProcessTransport:
         self.store = dist.PrefixStore(f"{'-'.join(map(str, members))}/", world.store)
         clocks = [world.clocks[member] for member in members]
         peers = sorted({p for p in (upstream, downstream) if p is not None and p != ranks.rank})
-        self.lane: Lane = self._open_lane(world, members, peers, wraps=wraps)
+        try:
+            self.lane: Lane = self._open_lane(world, members, peers, wraps=wraps)
+        except StageFailed as error:  # told, so that the other ranks building the pipe stop too
+            self.shared.set("broken", str(error)[:NOTE_CHARS])
+            raise
         remote = [r for r in range(1, ranks.size) if clocks[r] != clocks[0]]
         self.clock_offset = self.lane.clock_offset(remote) if remote else 0.0
         self.step = -1
