@@ -389,3 +389,21 @@ def test_the_doctors_sizing_row_judges_the_climb_not_the_gpus_speed():
         doctor.climbed(Sizing(config.but(width=256, batch=64), (), ((256, 64, "out of memory"),)))
     with pytest.raises(AssertionError, match="no usable rung"):
         doctor.climbed(Sizing(config, (1.0,) * 7 + (float("nan"),), flat))
+
+
+def test_a_ping_pong_reads_a_reply_once_its_nccl_transfer_is_done():
+    """On NCCL edges a message's header arrives before its payload: a ping-pong (pool.ping) that read
+    the reply at its header timed the header's trip, not the transfer's."""
+    transport = ProcessTransport.__new__(ProcessTransport)
+    transport.step, transport._check_receiving = 0, lambda: None
+
+    class Transfer:
+        polls = 0
+
+        def is_completed(self):
+            self.polls += 1
+            return self.polls > 3
+
+    transfer = Transfer()
+    transport._get = lambda key: ("payload", [transfer])
+    assert transport.receive_control("grad", micro=1) == "payload" and transfer.polls == 4

@@ -243,8 +243,14 @@ class ProcessTransport:
         self._post(destination, kind, micro, 0, value)
 
     def receive_control(self, kind: str, micro: int = 0):
-        """The value of the current call's message of `kind` (numbered `micro`)."""
-        return self._get((self.step, kind, micro, 0))[0]
+        """The value of the current call's message of `kind` (numbered `micro`), once it has landed: an
+        NCCL payload's transfer done, a host copy's event passed (a ping-pong times the whole trip)."""
+        value, ready = self._get((self.step, kind, micro, 0))
+        if isinstance(ready, list):
+            until_completed(ready, self._check_receiving, every=POLL_SECONDS)
+        elif ready is not None:
+            ready.synchronize()
+        return value
 
     def check(self) -> None:
         """Raise StageFailed if a connection was lost (failures elsewhere are seen while waiting)."""
