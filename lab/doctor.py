@@ -455,7 +455,10 @@ def checklist(cli: bool = True, deadline: Optional[float] = None) -> tuple[list[
         skipped.append("no GPU: the CUDA rows (one GPU for K=1..3, schedules, trace order, hop, serial timing, "
                        "processes, NCCL, reproduce --device cuda) were not run")
         return checks, skipped
-    checks += [(name, isolated(name, deadline)) for name in GPU_ROWS]
+    refused = host.stage_processes_refused(2, torch.cuda.device_count(), False, host.exclusive_gpus())
+    checks += [(name, isolated(name, deadline)) for name in GPU_ROWS if not (refused and name == "processes on GPUs")]
+    if refused:
+        skipped.append(f"processes on GPUs: {refused}")
     if torch.cuda.device_count() >= 2:
         checks += [(name, isolated(name, deadline)) for name in TWO_GPU_ROWS]
     else:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import ctypes
 import os
 import platform
+import subprocess
+from typing import Optional
 
 import torch
 
@@ -28,6 +30,35 @@ def gpus() -> list[str]:
     if not torch.cuda.is_available():
         return []
     return [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+
+
+def gpu_compute_modes() -> list[str]:
+    """Each GPU's compute mode as nvidia-smi names it ("Default", "Exclusive_Process", "Prohibited");
+    [] where nvidia-smi is missing or fails (a CPU host)."""
+    try:
+        done = subprocess.run(["nvidia-smi", "--query-gpu=compute_mode", "--format=csv,noheader"],
+                              capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return []
+    return [line.strip() for line in done.stdout.splitlines() if line.strip()] if done.returncode == 0 else []
+
+
+def exclusive_gpus(modes: Optional[list[str]] = None) -> bool:
+    """Whether a GPU here serves one process at a time (EXCLUSIVE_PROCESS, as rented machines often
+    are): two stage processes, or a process holding a CUDA context and its stage process, cannot
+    share it."""
+    return any(mode.lower().startswith("exclusive") for mode in (gpu_compute_modes() if modes is None else modes))
+
+
+def stage_processes_refused(stages: int, gpus: int, parent_holds_context: bool, exclusive: bool) -> Optional[str]:
+    """Why `stages` stage processes cannot run on `gpus` GPUs in this compute mode, or None if they can."""
+    if not exclusive or (stages <= gpus and not parent_holds_context):
+        return None
+    clash = (f"{stages} stage processes on {gpus} GPU(s) would share one" if stages > gpus else
+             "a stage process would meet this process's own CUDA context on its GPU")
+    return (f"the GPUs are in EXCLUSIVE_PROCESS compute mode (nvidia-smi), where a GPU serves one process at a "
+            f"time: {clash}. Run the stages as threads (transport \"threads\"), or set the mode to Default "
+            f"(sudo nvidia-smi -c DEFAULT)")
 
 
 def describe() -> dict:

@@ -27,6 +27,7 @@ from engine.distributed.shm_lane import SHM, checked_spin, sweep
 from engine.trace import Trace
 
 from .children import Children, ChildFailed, name_of, resolve
+from .host import exclusive_gpus, stage_processes_refused
 from .loopback import Meeting
 from .process_tree import orphaned
 from .stage_server import START_SECONDS
@@ -51,6 +52,11 @@ class ProcessPool:
             raise ValueError(f"stages={stages!r}: expected an int >= 1 (one process per stage)")
         if spin is not None:
             checked_spin(spin, f"spin={spin!r} (or None: the lane decides)")
+        if device == "cuda":
+            refused = stage_processes_refused(stages, torch.cuda.device_count(), torch.cuda.is_initialized(),
+                                              exclusive_gpus())
+            if refused:
+                raise ValueError(f"ProcessPool({stages}, device='cuda'): {refused}")
         self.stages, self.timeout, self.device, self.lane = stages, timeout, device, lane
         self.trace: Optional[Trace] = None
         self.losses: list = []

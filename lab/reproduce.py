@@ -97,6 +97,9 @@ def check(args: argparse.Namespace) -> None:
         raise ValueError(f"--device {device!r}: expected cpu or cuda")
     if device == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device cuda, but this host has no CUDA GPU (torch.cuda.is_available() is False)")
+    if device == "cuda" and getattr(args, "transport", None) == "processes" and host.exclusive_gpus():
+        # this process sizes and measures on the GPUs too: its contexts and the stage processes would meet
+        raise ValueError("--transport processes: " + host.stage_processes_refused(2, torch.cuda.device_count(), True, True))
     model = getattr(args, "model", "transformer")
     if model not in ("transformer", "cnn"):
         raise ValueError(f"--model {model!r}: expected transformer or cnn")
@@ -137,10 +140,12 @@ def speedup_config(args) -> RunConfig:
 
 def speedup_transport(args) -> str:
     """How the measured cells' stages run: --transport, else one process per GPU where there are
-    two GPUs or more (as torch.distributed.pipelining runs them), else threads."""
+    two GPUs or more (as torch.distributed.pipelining runs them) unless the GPUs are EXCLUSIVE_PROCESS
+    (this process measures on them too), else threads."""
     if getattr(args, "transport", None):
         return args.transport
-    return "processes" if args.device == "cuda" and torch.cuda.device_count() >= 2 else "threads"
+    several = args.device == "cuda" and torch.cuda.device_count() >= 2
+    return "processes" if several and not host.exclusive_gpus() else "threads"
 
 
 def transports_config(args) -> RunConfig:

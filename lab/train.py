@@ -32,6 +32,7 @@ from engine.distributed.transport import gpu_identity, one_gpu_each
 from engine.schedule import CHECKPOINT_MODES, SCHEDULES
 
 from . import models
+from .host import exclusive_gpus, stage_processes_refused
 
 
 def parser() -> argparse.ArgumentParser:
@@ -109,6 +110,11 @@ def main(argv=None) -> int:
         dist.init_process_group("gloo")  # the world's group; the stages' groups get the backend chosen below
         backend = "gloo"
         if args.device == "cuda":
+            local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+            refused = stage_processes_refused(local, torch.cuda.device_count(), False, exclusive_gpus())
+            if refused:
+                print(f"python -m lab.train: error: {refused}", file=sys.stderr)
+                return 2
             gpu = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
             torch.cuda.set_device(gpu)
             backend = backend_for(args.device, gpus_of_ranks(gpu))

@@ -15,9 +15,14 @@ from engine import GPipe
 from engine.device import StageDevice, pinned
 from conftest import grads, mlp
 from lab.doctor import GPU_TOLERANCE, out_of_order, relative_difference, trace_slack
+from lab.host import exclusive_gpus
 
 NO_GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 TWO_GPUS = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
+# stage processes started by a process that already holds CUDA contexts (this one, after the thread tests)
+SHARED_GPUS = pytest.mark.skipif(exclusive_gpus(), reason="EXCLUSIVE_PROCESS GPUs serve one process each: this "
+                                 "test's own CUDA context and its stage processes cannot share them (the doctor's "
+                                 "rows run each in a process of its own)")
 KINDS = pytest.mark.parametrize("kind", ["cpu", pytest.param("cuda", marks=NO_GPU)])
 LOSS = nn.functional.cross_entropy  # a function: stage processes import it by name (an nn.Module instance is refused)
 
@@ -93,7 +98,7 @@ def test_serial_runs_time_each_task_alone_and_traces_keep_dependencies(kind):
     assert out_of_order(pipe.trace, slack) == []
 
 
-@pytest.mark.parametrize("kind", ["cpu", pytest.param("cuda", marks=TWO_GPUS)])
+@pytest.mark.parametrize("kind", ["cpu", pytest.param("cuda", marks=[TWO_GPUS, SHARED_GPUS])])
 def test_a_pool_started_with_a_local_rank_puts_stage_k_on_gpu_k(monkeypatch, kind):
     """As a pool started from a torchrun worker: its children inherit LOCAL_RANK, and must not all
     take that GPU (2 GPUs tell the stages' GPUs apart)."""
@@ -132,7 +137,7 @@ def test_a_copy_into_a_gpu_waits_for_nothing_else_queued_there():
     assert torch.equal(moved.cpu(), torch.arange(4.0))
 
 
-@pytest.mark.parametrize("kind", ["cpu", pytest.param("cuda", marks=TWO_GPUS)])
+@pytest.mark.parametrize("kind", ["cpu", pytest.param("cuda", marks=[TWO_GPUS, SHARED_GPUS])])
 def test_stage_processes_on_two_gpus_send_payloads_over_nccl(kind):
     """With an expanded target (stride 0), as a user's may be; on the CPU payloads go through
     shared memory."""

@@ -263,6 +263,11 @@ def test_the_gpu_table_runs_a_process_per_gpu_where_there_are_two(monkeypatch):
         assert reproduce.speedup_transport(Namespace(device="cuda", transport=None)) == expected
     assert reproduce.speedup_transport(Namespace(device="cuda", transport="threads")) == "threads"
     assert reproduce.speedup_transport(Namespace(device="cpu", transport=None)) == "threads"
+    monkeypatch.setattr(reproduce.host, "exclusive_gpus", lambda: True)   # this process measures on them too
+    assert reproduce.speedup_transport(Namespace(device="cuda", transport=None)) == "threads"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    with pytest.raises(ValueError, match="--transport processes: the GPUs are in EXCLUSIVE_PROCESS"):
+        reproduce.check(reproduce.parser().parse_args(["speedup", "--device", "cuda", "--transport", "processes"]))
 
 
 def test_a_failed_nccl_receive_is_raised_naming_its_sender():
@@ -407,3 +412,22 @@ def test_a_ping_pong_reads_a_reply_once_its_nccl_transfer_is_done():
     transfer = Transfer()
     transport._get = lambda key: ("payload", [transfer])
     assert transport.receive_control("grad", micro=1) == "payload" and transfer.polls == 4
+
+
+def test_stage_processes_on_exclusive_gpus_are_refused_with_the_reason_and_the_way_out(monkeypatch):
+    """EXCLUSIVE_PROCESS GPUs serve one process each: two stage processes on one GPU, or a stage
+    process beside its parent's CUDA context, are refused before any process starts, saying why and
+    what to do; in the Default mode, or with a GPU each and no context here, they start."""
+    from lab import host, pool
+    assert host.exclusive_gpus(["Default", "Exclusive_Process"]) and not host.exclusive_gpus(["Default"])
+    assert not host.exclusive_gpus([])   # no nvidia-smi: a CPU host
+    assert host.stage_processes_refused(2, 1, False, exclusive=False) is None
+    assert host.stage_processes_refused(2, 2, False, exclusive=True) is None
+    assert "2 stage processes on 1 GPU(s) would share one" in host.stage_processes_refused(2, 1, False, True)
+    said = host.stage_processes_refused(2, 2, True, True)
+    assert "this process's own CUDA context" in said and "threads" in said and "nvidia-smi -c DEFAULT" in said
+    monkeypatch.setattr(pool, "exclusive_gpus", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+    with pytest.raises(ValueError, match=r"ProcessPool\(2, device='cuda'\): the GPUs are in EXCLUSIVE_PROCESS"):
+        pool.ProcessPool(2, device="cuda")
