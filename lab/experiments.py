@@ -355,13 +355,30 @@ def per_layer_bytes(config: RunConfig) -> tuple[list[float], list[float]]:
 
 def layer_bytes_per_sample(model: nn.Sequential, sample) -> tuple[list[float], list[float]]:
     """(bytes each layer saves for backward, bytes of each layer's input), per sample of `sample`."""
-    saved = [b / sample.shape[0] for b in layer_sizes(model, sample, param_scale=0.0, count_inputs=False)]
+    saved = per_sample_of(lambda rows: [b / rows.shape[0] for b in layer_sizes(model, rows, param_scale=0.0,
+                                                                                count_inputs=False)], sample)
     return saved, boundary_bytes(model, sample)
+
+
+def per_sample_of(measure: Callable, sample) -> list[float]:
+    """`measure(sample)` (per layer, bytes per sample of the rows it is given) from passes over the
+    first 2 and 4 rows only: a layer's bytes are a part that grows with the rows and a part that
+    does not (an embedding's position indices), so two small passes give a large one's figures
+    without its compute (a GPU table's M=1 sample is its whole batch: minutes on the host)."""
+    rows = sample.shape[0]
+    if rows <= 4:
+        return measure(sample)
+    two, four = measure(sample[:2]), measure(sample[:4])
+    return [2 * f - t + 4 * (t - f) / rows for t, f in zip(two, four)]
 
 
 @torch.no_grad()
 def boundary_bytes(model: nn.Sequential, sample) -> list[float]:
     """Bytes per sample of each layer's input (what a stage starting there keeps per micro-batch)."""
+    return per_sample_of(lambda rows: _input_bytes(model, rows), sample)
+
+
+def _input_bytes(model: nn.Sequential, sample) -> list[float]:
     sizes, x = [], sample
     was_training = model.training
     model.eval()

@@ -367,3 +367,19 @@ def test_the_gpu_table_frees_the_gpus_only_between_other_sessions_runs(monkeypat
     freeing.join(5)
     assert stopped == [True], "then stops the pool, holding the turn itself"
     assert not processes.busy()
+
+
+@pytest.mark.parametrize("model", ["mlp", "transformer", "cnn"])
+def test_bytes_per_sample_from_two_small_passes_are_those_of_the_whole_micro_batch(model, monkeypatch):
+    """The memory prediction and the boundary sizes read bytes per sample from passes over 2 and 4
+    samples: the figures of a pass over the whole micro-batch (a GPU table's M=1 micro-batch is its
+    whole batch, minutes of host compute at its sizes), a part that does not grow with the samples
+    (the Transformer's position indices) included."""
+    config = RunConfig(model=model, blocks=2, width=16 if model != "cnn" else 8, batch=16, micro_batches=1)
+    built, (inputs, _), _ = experiments.build(config)
+    sample = experiments.micro_sample(inputs, config)
+    small = experiments.layer_bytes_per_sample(built, sample)
+    monkeypatch.setattr(experiments, "per_sample_of", lambda measure, rows: measure(rows))   # one full pass
+    whole = experiments.layer_bytes_per_sample(built, sample)
+    for got, expected in zip(small, whole):
+        assert got == pytest.approx(expected, rel=1e-9, abs=1e-6)
