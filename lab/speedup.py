@@ -18,12 +18,13 @@ called measured, nor replayed as if its task times were the GPU's.
 from __future__ import annotations
 
 import itertools
+import os
 
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Callable, Iterable, Iterator, Optional
 
-from . import processes, replay
+from . import models, processes, replay
 from .config import MEASURE_WARMUP, RunConfig
 from .experiments import RunRecord, build, choose_balance, parallel_devices, pipeline, run, solo_events
 
@@ -40,6 +41,7 @@ GPU_FLOOR = 3.0    # under this a cell is launch-bound: not measured, nor replay
 # work per task for the same launches (the zoo's sequences are 32 characters long)
 GPU_LADDER = ((1024, 128), (1024, 256), (2048, 256), (2048, 512), (4096, 256), (4096, 512), (4096, 1024))
 GPU_LADDER_QUICK = ((256, 64), (512, 64), (1024, 64), (1024, 128))
+HOST_SHARE = 0.7   # of the host memory free at sizing, what the table's models may take to build
 
 
 def table_setting(device: str = "cpu", quick: bool = False, model: str = "transformer", seed: int = 0,
@@ -130,16 +132,46 @@ class Sizing:
                 f"{verdict}); tried {steps}")
 
 
+def available_host_bytes() -> int:
+    """The host memory free for new work now (MemAvailable), or all of it where /proc/meminfo is missing."""
+    try:
+        with open("/proc/meminfo") as info:
+            for line in info:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def host_bytes_to_build(config: RunConfig, stages: int) -> int:
+    """Host memory the table needs to build `config`'s model: its float32 weights in this process
+    (built on the host, then moved to the GPUs), and in each of `stages` stage processes too when the
+    stages are processes (each builds the whole model, then keeps its part). Counted on the meta
+    device: nothing is allocated."""
+    import torch
+    with torch.device("meta"):
+        model = models.get(config.model).build(config.blocks, config.width, config.seed)
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    return weights * (1 + (stages if config.transport == "processes" else 0))
+
+
 @lru_cache(maxsize=None)
 def sized_for_gpu(start: RunConfig, quick: bool = False, stages: int = 8, micro: int = 32,
-                  probe: Callable[[RunConfig], list[float]] = gpu_ratios) -> Sizing:
+                  probe: Callable[[RunConfig], list[float]] = gpu_ratios,
+                  host_bytes: Callable[[], int] = available_host_bytes) -> Sizing:
     """Grow the GPU table's Transformer along GPU_LADDER (width, then batch) until every stage's
     GPU time is GPU_TARGET times its host time at the table's hardest cell, K=`stages` (at most
     its layers) and M=`micro`, where tasks are smallest; a rung that runs out of memory there, or
-    at K=1, M=1 (the whole batch at once), ends the climb at the rung before it."""
+    at K=1, M=1 (the whole batch at once), ends the climb at the rung before it, as does one whose
+    model the host could not build (HOST_SHARE of `host_bytes()`, `host_bytes_to_build`)."""
     chosen, ratios, tried = start, (), []
     for width, batch in GPU_LADDER_QUICK if quick else GPU_LADDER:
         candidate = start.but(width=width, batch=batch)
+        needed = host_bytes_to_build(candidate, min(stages, candidate.layers))
+        if needed > HOST_SHARE * host_bytes():
+            tried.append((width, batch, f"too large to build on this host ({needed / 2 ** 30:.0f} GiB)"))
+            break
         try:
             found = tuple(probe(candidate.but(stages=min(stages, candidate.layers), micro_batches=micro)))
             probe(candidate.but(stages=1, micro_batches=1))

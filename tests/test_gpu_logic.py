@@ -214,6 +214,17 @@ def test_the_gpu_table_is_grown_until_the_gpu_sets_the_pace():
     assert (sizing.config.width, sizing.config.batch) == (1024, 256)          # the last rung that fit
     assert sizing.tried[-1] == (2048, 256, "out of memory") and "NOT met" in sizing.describe()
 
+    # a table of stage processes builds the whole model in each of them and here: the host's memory
+    # ends the climb before a rung it could not build (8 x 4.8 GB at the top of the ladder)
+    start = start.but(transport="processes", seed=2)
+    assert speedup.host_bytes_to_build(start, 8) == 9 * speedup.host_bytes_to_build(start.but(transport="threads"), 8)
+    top = speedup.host_bytes_to_build(start.but(width=4096), 8)
+    assert top > 9 * 4 * 4.8e9 * 0.99
+    sizing = speedup.sized_for_gpu(start.but(seed=3), probe=lambda config: [1.0] * config.stages,
+                                   host_bytes=lambda: int(top / speedup.HOST_SHARE) - 1)
+    assert sizing.tried[-1][0] == 4096 and sizing.tried[-1][2].startswith("too large to build on this host")
+    assert (sizing.config.width, sizing.config.batch) == (2048, 512)
+
 
 def test_a_launch_bound_gpu_cell_is_not_called_measured():
     from lab import experiments, speedup
