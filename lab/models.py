@@ -64,11 +64,12 @@ def mlp_batch(size: int, width: int, seed: int = 0) -> tuple[torch.Tensor, torch
 
 @lru_cache(maxsize=1)
 def corpus() -> tuple[torch.Tensor, list[str]]:
-    """The shipped text as a tensor of character ids, and the vocabulary."""
+    """The shipped text as a tensor of character ids, and the vocabulary. Kept on the host whatever
+    device is the default when it is first read (a model counted on the meta device, say)."""
     text = CORPUS.read_text()
     vocab = sorted(set(text))
     index = {c: i for i, c in enumerate(vocab)}
-    return torch.tensor([index[c] for c in text], dtype=torch.long), vocab
+    return torch.tensor([index[c] for c in text], dtype=torch.long, device="cpu"), vocab
 
 
 class Embedding(nn.Module):

@@ -140,12 +140,8 @@ def speedup_config(args) -> RunConfig:
 
 def speedup_transport(args) -> str:
     """How the measured cells' stages run: --transport, else one process per GPU where there are
-    two GPUs or more (as torch.distributed.pipelining runs them) unless the GPUs are EXCLUSIVE_PROCESS
-    (this process measures on them too), else threads."""
-    if getattr(args, "transport", None):
-        return args.transport
-    several = args.device == "cuda" and torch.cuda.device_count() >= 2
-    return "processes" if several and not host.exclusive_gpus() else "threads"
+    two GPUs or more, else threads (speedup.table_transport)."""
+    return getattr(args, "transport", None) or speedup.table_transport(args.device)
 
 
 def transports_config(args) -> RunConfig:

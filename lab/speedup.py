@@ -18,13 +18,14 @@ called measured, nor replayed as if its task times were the GPU's.
 from __future__ import annotations
 
 import itertools
+import json
 import os
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from functools import lru_cache
 from typing import Callable, Iterable, Iterator, Optional
 
-from . import models, processes, replay
+from . import host, models, processes, replay
 from .config import MEASURE_WARMUP, RunConfig
 from .experiments import RunRecord, build, choose_balance, parallel_devices, pipeline, run, solo_events
 
@@ -42,6 +43,7 @@ GPU_FLOOR = 3.0    # under this a cell is launch-bound: not measured, nor replay
 GPU_LADDER = ((1024, 128), (1024, 256), (2048, 256), (2048, 512), (4096, 256), (4096, 512), (4096, 1024))
 GPU_LADDER_QUICK = ((256, 64), (512, 64), (1024, 64), (1024, 128))
 HOST_SHARE = 0.7   # of the host memory free at sizing, what the table's models may take to build
+SIZING_FILE = "GPIPE_LAB_SIZING_FILE"  # environment variable: where a sizing is kept for later processes
 
 
 def table_setting(device: str = "cpu", quick: bool = False, model: str = "transformer", seed: int = 0,
@@ -88,7 +90,39 @@ def gpu_sizing(quick: bool = False, model: str = "transformer", seed: int = 0,
     import torch
     if model != "transformer" or not torch.cuda.is_available():
         return None
-    return sized_for_gpu(gpu_start(quick, model, seed, transport), quick)
+    start = gpu_start(quick, model, seed, transport)
+    return kept_sizing(start, quick, lambda: sized_for_gpu(start, quick))
+
+
+def table_transport(device: str) -> str:
+    """How a GPU table's measured cells run their stages unless told: one process per GPU where there
+    are two GPUs or more (as torch.distributed.pipelining runs them), unless the GPUs are
+    EXCLUSIVE_PROCESS (the table measures on them in its own process too); else threads."""
+    import torch
+    several = device == "cuda" and torch.cuda.device_count() >= 2
+    return "processes" if several and not host.exclusive_gpus() else "threads"
+
+
+def kept_sizing(start: RunConfig, quick: bool, size: Callable[[], "Sizing"]) -> "Sizing":
+    """`size()`, or the sizing a process before this one found for the same start on these GPUs, kept
+    in the file SIZING_FILE names (the doctor sets it for its run: its sizing row, then reproduce
+    --quick, size once, not twice, within the report's minutes)."""
+    import torch
+    path = os.environ.get(SIZING_FILE)
+    key = {"start": asdict(start), "quick": quick, "gpus": host.gpus(), "torch": torch.__version__}
+    if path and os.path.exists(path):
+        with open(path) as file:
+            kept = json.load(file)
+        if kept["key"] == key:
+            config = RunConfig(**kept["config"])
+            return Sizing(config, tuple(kept["ratios"]), tuple((w, b, r if isinstance(r, str) else tuple(r))
+                                                                 for w, b, r in kept["tried"]))
+    sizing = size()
+    if path:
+        with open(path, "w") as file:
+            json.dump({"key": key, "config": asdict(sizing.config),
+                       "ratios": sizing.ratios, "tried": sizing.tried}, file)
+    return sizing
 
 
 def stage_ratios(events: list[dict], stages: int) -> list[float]:

@@ -3,6 +3,7 @@ the real thing where there is a GPU)."""
 import collections
 import contextlib
 import dataclasses
+import os
 import queue
 import threading
 import time
@@ -192,7 +193,7 @@ def test_gpu_over_host_time_per_stage():
 
 
 def test_the_gpu_table_is_grown_until_the_gpu_sets_the_pace():
-    from lab import speedup
+    from lab import models, speedup
     start = speedup.gpu_start()   # the paper-like start, before sizing (a GPU host would size it for minutes)
     assert (start.blocks, start.width, start.batch, start.device) == (24, 1024, 128, "cuda")
     probes = []
@@ -217,7 +218,9 @@ def test_the_gpu_table_is_grown_until_the_gpu_sets_the_pace():
     # a table of stage processes builds the whole model in each of them and here: the host's memory
     # ends the climb before a rung it could not build (8 x 4.8 GB at the top of the ladder)
     start = start.but(transport="processes", seed=2)
+    models.corpus.cache_clear()   # counted first on the meta device: the text the zoo caches stays on the host
     assert speedup.host_bytes_to_build(start, 8) == 9 * speedup.host_bytes_to_build(start.but(transport="threads"), 8)
+    assert models.corpus()[0].device.type == "cpu"
     top = speedup.host_bytes_to_build(start.but(width=4096), 8)
     assert top > 9 * 4 * 4.8e9 * 0.99
     sizing = speedup.sized_for_gpu(start.but(seed=3), probe=lambda config: [1.0] * config.stages,
@@ -442,3 +445,29 @@ def test_stage_processes_on_exclusive_gpus_are_refused_with_the_reason_and_the_w
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
     with pytest.raises(ValueError, match=r"ProcessPool\(2, device='cuda'\): the GPUs are in EXCLUSIVE_PROCESS"):
         pool.ProcessPool(2, device="cuda")
+
+
+def test_a_sizing_is_found_once_per_doctor_run_and_read_by_the_next_process(tmp_path, monkeypatch):
+    """The doctor's sizing row sizes the GPU table's model; reproduce --quick, a process after it in
+    the same doctor run, reads that sizing from the file SIZING_FILE names instead of spending the
+    report's minutes sizing again. Another start, other GPUs or no file: sized anew."""
+    from lab import doctor, speedup
+    from lab.config import RunConfig
+    start = RunConfig(model="transformer", blocks=14, width=256, batch=64, device="cuda", transport="processes")
+    found = speedup.Sizing(start.but(width=1024, batch=128), (1.5,) * 8,
+                           ((256, 64, (0.5,) * 8), (1024, 128, (1.5,) * 8), (2048, 128, "out of memory")))
+    sized = []
+
+    def size():
+        sized.append(1)
+        return found
+    monkeypatch.setattr(speedup.host, "gpus", lambda: ["NVIDIA H200"])
+    assert speedup.kept_sizing(start, True, size) is found and sized == [1]   # no file named: sized
+    with doctor.sizing_kept():
+        assert speedup.kept_sizing(start, True, size) == found and sized == [1, 1]   # the row
+        assert speedup.kept_sizing(start, True, size) == found and sized == [1, 1]   # the next process
+        assert speedup.kept_sizing(start.but(seed=1), True, size) == found and sized == [1, 1, 1]
+        monkeypatch.setattr(speedup.host, "gpus", lambda: ["NVIDIA H100"])
+        speedup.kept_sizing(start, True, size)
+        assert sized == [1, 1, 1, 1], "other GPUs: sized anew"
+    assert speedup.SIZING_FILE not in os.environ, "the file is the doctor run's only"
