@@ -18,6 +18,7 @@ from listeners import beyond_loopback, listening
 from lab.launch import two_nodes
 from engine import GPipe
 from lab.process_tree import running
+from lab.host import exclusive_gpus
 from lab.pool import ProcessPool, StageProcessError
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -312,14 +313,22 @@ def test_a_recipe_from_main_or_a_notebook_is_refused_with_a_hint(pools):
         pool.build(local_function)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+TWO_GPUS_OF_THEIR_OWN = [pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs"),
+                         pytest.mark.skipif(exclusive_gpus(), reason="EXCLUSIVE_PROCESS GPUs: each rank's threads "
+                                            "reference spans both GPUs")]
+
+
+@pytest.mark.parametrize("kind", ["cpu", pytest.param("cuda", marks=TWO_GPUS_OF_THEIR_OWN)])
 @pytest.mark.timeout(180)
-def test_nccl_stages_on_two_gpus_match_threads(tmp_path):
-    result, reports = run_torchrun(["--standalone", "--nproc-per-node", "2", str(ROOT / "tests" / "distributed_cuda.py")],
-                                   170, tmp_path)
+def test_torchrun_stages_match_threads_on_cpus_and_on_two_gpus_over_nccl(tmp_path, kind):
+    """tests/distributed_cuda.py: the same body on CPU cores (shared memory) in CI, on 2 GPUs over NCCL
+    where there are: a mistake in its own code fails here first."""
+    result, reports = run_torchrun(["--standalone", "--nproc-per-node", "2", str(ROOT / "tests" / "distributed_cuda.py"),
+                                    kind], 170, tmp_path)
     from lab.doctor import GPU_TOLERANCE
     assert result.returncode == 0, result.stderr[-3000:]
     assert len(reports) == 2 and all(r["apart"] <= GPU_TOLERANCE for r in reports), reports
+    assert all(r["lane"] == ("gloo+nccl" if kind == "cuda" else "shared memory") for r in reports), reports
 
 
 @pytest.mark.timeout(120)
