@@ -471,3 +471,17 @@ def test_a_sizing_is_found_once_per_doctor_run_and_read_by_the_next_process(tmp_
         speedup.kept_sizing(start, True, size)
         assert sized == [1, 1, 1, 1], "other GPUs: sized anew"
     assert speedup.SIZING_FILE not in os.environ, "the file is the doctor run's only"
+
+
+def test_host_tensors_of_a_gpu_stages_value_go_to_its_gpu_before_nccl(monkeypatch):
+    """NCCL moves GPU memory only: a host tensor inside a GPU stage's tuple (a mask, a count) is
+    copied to the stage's GPU before its send; CUDA tensors and None pass as they are."""
+    from engine.distributed.gloo_lane import _on_gpu
+    moved = []
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda t: t.dtype == torch.float64))   # stands for "on a GPU"
+    monkeypatch.setattr(torch.Tensor, "to", lambda t, device: moved.append(device) or t.double())
+    on_gpu, on_host = torch.zeros(2, dtype=torch.float64), torch.ones(2, dtype=torch.bool)
+    sent = _on_gpu((on_gpu, on_host, None), torch.device("cuda", 1))
+    assert sent[0] is on_gpu and sent[1].dtype == torch.float64 and sent[2] is None
+    assert moved == [torch.device("cuda", 1)]
+    assert _on_gpu(on_gpu, torch.device("cuda", 1)) is on_gpu

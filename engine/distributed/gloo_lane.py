@@ -116,8 +116,8 @@ class GlooLane:
         if edge is None:
             frame, tensors = wire.encode(step, kind, micro, chunk, decision, _on_cpu(value))
             group, peer, tag = self.wire, destination, DATA_TAG
-        else:
-            frame, tensors = wire.encode(step, kind, micro, chunk, decision, value, inline=False)
+        else:  # NCCL moves GPU memory: a host tensor in a GPU stage's value goes to its GPU first
+            frame, tensors = wire.encode(step, kind, micro, chunk, decision, _on_gpu(value, self.device), inline=False)
             (group, peer), tag = edge, 0
         header = self.wire.send([frame], destination, HEADER_TAG)
         payload = [group.send([t], peer, tag) for t in tensors]
@@ -392,6 +392,15 @@ def to_gpu(tensors: list, home: torch.device) -> tuple[list, "torch.cuda.Event"]
     ready = torch.cuda.Event()
     ready.record(torch.cuda.current_stream(home))
     return moved, ready
+
+
+def _on_gpu(value, device: torch.device):
+    """NCCL moves GPU memory: host tensors of a value are copied to `device` first (the receiving stage
+    would move them to its own device anyway, as stage threads do)."""
+    form, tensors = wire.describe(value)
+    if all(t is None or t.is_cuda for t in tensors):
+        return value
+    return wire.rebuild_value(form, [t if t is None or t.is_cuda else t.to(device) for t in tensors])
 
 
 def _on_cpu(value):
