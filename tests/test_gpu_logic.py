@@ -485,3 +485,19 @@ def test_host_tensors_of_a_gpu_stages_value_go_to_its_gpu_before_nccl(monkeypatc
     assert sent[0] is on_gpu and sent[1].dtype == torch.float64 and sent[2] is None
     assert moved == [torch.device("cuda", 1)]
     assert _on_gpu(on_gpu, torch.device("cuda", 1)) is on_gpu
+
+
+def test_a_rank_checks_only_its_own_entry_of_a_device_list(monkeypatch):
+    """torchrun with CUDA_VISIBLE_DEVICES set per rank: each rank sees one GPU, cuda:0. A device list
+    such as ["cpu", "cuda:0"] or ["cuda:0", "cuda:0"] is checked for this rank's entry only, so
+    another rank's entry naming a GPU this rank cannot see does not refuse the pipe."""
+    from engine.distributed import runner
+    checked, current = [], []
+    monkeypatch.setattr(runner, "check_group", lambda group, stages: Ranks(1, 2))
+    monkeypatch.setattr(runner, "check_device", lambda device, index: checked.append((device, index)) or
+                        torch.device(device))
+    monkeypatch.setattr(torch.cuda, "set_device", current.append)
+    assert runner.rank_and_device(None, 2, ["cuda:1", "cpu"], None) == (1, torch.device("cpu"))
+    assert checked == [("cpu", 1)] and current == []
+    with pytest.raises(ValueError, match="1 entries but there are 2 stages"):
+        runner.rank_and_device(None, 2, ["cpu"], None)

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from ..call import Call, Decision
-from ..device import check_device, resolve_devices
+from ..device import check_device, one_per_stage, resolve_devices
 from ..runner import EventCallback, events_of, live, name_place, run_tasks
 from ..stages import LocalStages
 from ..trace import Event, Message, Reduction, StageMemory, Trace
@@ -35,6 +35,8 @@ def rank_and_device(group, stages: int, devices, module) -> tuple[int, torch.dev
     if str(devices) == "cuda" and torch.cuda.is_available():
         local = int(os.environ.get("LOCAL_RANK", dist.get_rank())) % torch.cuda.device_count()
         device = check_device(torch.device("cuda", local), ranks.rank)
+    elif isinstance(devices, (list, tuple)):  # this rank's entry only: a rank may see only its own GPU
+        device = check_device(one_per_stage(devices, stages)[ranks.rank], ranks.rank)
     else:
         device = resolve_devices(devices, stages, module)[ranks.rank]
     if device.type == "cuda":
