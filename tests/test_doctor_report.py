@@ -17,6 +17,20 @@ def test_a_row_runs_in_a_process_of_its_own_and_says_what_it_saw():
         raise AssertionError("an unknown row passed")
 
 
+def test_the_reports_rows_each_run_in_a_process_bounded_by_its_deadline(monkeypatch):
+    """With the report's deadline every row, the CPU ones too, runs in a process of its own stopped at
+    that deadline: the rows end by it by construction, whatever a row does."""
+    limits = []
+    monkeypatch.setattr(doctor, "bounded", lambda args, limit, env=None, grace=0.0: limits.append((args, limit))
+                        or (None, ""))
+    checks, _ = doctor.checklist(cli=False, deadline=doctor.time.monotonic() + 30)
+    assert [name for name, _ in checks][:len(doctor.CPU_ROWS)] == list(doctor.CPU_ROWS)
+    rows = doctor.run_checks(checks[:2])
+    assert [args[-1] for args, _ in limits] == list(doctor.CPU_ROWS)[:2] and all(0 < limit <= 30 for _, limit in limits)
+    assert not any(row.passed for row in rows) and "ran out of its" in rows[0].detail
+    assert doctor.checklist(cli=True)[0][0] == (next(iter(doctor.CPU_ROWS)), next(iter(doctor.CPU_ROWS.values())))
+
+
 def test_the_report_on_a_cpu_host_has_every_section_and_skips_the_gpu_parts(tmp_path, monkeypatch, capsys):
     quick = [(name, doctor.CPU_ROWS[name]) for name in ("threads: K=2 equals K=1", "trace order, CPU")]
     monkeypatch.setattr(doctor, "checklist", lambda cli, deadline: (quick, ["no GPU: the CUDA rows were not run"]))
