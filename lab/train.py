@@ -29,7 +29,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from engine import GPipe
 from engine.distributed.transport import gpu_identity, one_gpu_each
-from engine.schedule import CHECKPOINT_MODES, SCHEDULES
+from engine.schedule import CHECKPOINT_MODES, SCHEDULES, check_layout
 
 from . import models
 from .host import exclusive_gpus, stage_processes_refused
@@ -49,6 +49,8 @@ def parser() -> argparse.ArgumentParser:
     options.add_argument("--width", type=int, default=64)
     options.add_argument("--checkpoint", default="except_last", choices=CHECKPOINT_MODES)
     options.add_argument("--schedule", default="gpipe", choices=list(SCHEDULES))
+    options.add_argument("--virtual-stages", type=int, default=None,
+                         help="chunks of layers per stage (v; default: the fewest the schedule accepts)")
     options.add_argument("--lr", type=float, default=3e-3)
     options.add_argument("--seed", type=int, default=0)
     options.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
@@ -78,6 +80,18 @@ def gpus_of_ranks(device: torch.device) -> list[str]:
 
 def launched_by_torchrun() -> bool:
     return dist.is_available() and dist.is_torchelastic_launched()
+
+
+def fewest_chunks_per_stage(schedule: str, stages: int) -> int:
+    """The fewest chunks of layers per stage (v) that `schedule` accepts: 1 for most, 2 for the
+    schedules that place several chunks on a stage (engine.schedule.check_layout decides)."""
+    for virtual in (1, 2):
+        try:
+            check_layout(schedule, stages, None, virtual)
+            return virtual
+        except ValueError:
+            continue
+    return 1
 
 
 def main(argv=None) -> int:
@@ -144,15 +158,23 @@ def main(argv=None) -> int:
                   f"layers; use more --blocks", file=sys.stderr)
         return 2
     model = zoo.build(args.blocks, args.width, args.seed)
+    virtual = args.virtual_stages or fewest_chunks_per_stage(args.schedule, stages)
+    try:
+        check_layout(args.schedule, stages, args.micro_batches, virtual, zoo.layer_count(args.blocks))
+    except ValueError as error:
+        if rank == 0:
+            print(f"python -m lab.train: error: {error}", file=sys.stderr)
+        return 2
     pipe = GPipe(model, stages, chunks=args.micro_batches, checkpoint=args.checkpoint, schedule=args.schedule,
                  seed=args.seed, threads_per_stage=1, group=pipeline, data_parallel=data_parallel,
-                 devices=args.device)
+                 devices=args.device, virtual_stages=virtual)
     optimizer = torch.optim.Adam(pipe.parameters(), lr=args.lr)
     stage = dist.get_rank(pipeline) if distributed else 0
     first, last = stage == 0, stage == stages - 1 or not distributed
     if rank == 0:
         print(f"# lab.train: char Transformer, {zoo.layer_count(args.blocks)} layers, width {args.width}, "
-              f"batch {args.batch}, K={stages}, M={args.micro_batches}, {args.schedule}, checkpoint {args.checkpoint}; "
+              f"batch {args.batch}, K={stages}, M={args.micro_batches}, {args.schedule}"
+              + (f" (v={virtual})" if virtual > 1 else "") + f", checkpoint {args.checkpoint}; "
               f"{transport}; stages on {pipe.devices[0].type}", flush=True)
     start, window, losses = time.perf_counter(), time.perf_counter(), []
     for step in range(1, args.steps + 1):

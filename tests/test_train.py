@@ -54,3 +54,17 @@ def test_bad_arguments_exit_with_one_line():
     result = subprocess.run([sys.executable, "-m", "lab.train", "--data-parallel", "2"], cwd=ROOT, capture_output=True,
                             text=True, timeout=60)
     assert result.returncode == 2 and "needs one process per stage and replica: torchrun" in result.stderr
+
+
+def test_every_schedule_trains_with_the_chunks_per_stage_it_needs(capsys):
+    """`--schedule interleaved` places two chunks per stage unless told (it crashed without an option
+    for them); chunks per stage a schedule refuses are one line naming the rule."""
+    from lab import train
+    small = ["--steps", "1", "--blocks", "2", "--width", "16", "--batch", "8", "--micro-batches", "4"]
+    assert train.main([*small, "--schedule", "interleaved"]) == 0
+    assert "interleaved (v=2)" in capsys.readouterr().out
+    assert train.main([*small, "--schedule", "interleaved", "--virtual-stages", "3", "--blocks", "4"]) == 0
+    assert train.main([*small, "--schedule", "1f1b", "--virtual-stages", "2"]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        "python -m lab.train: error: virtual_stages=2: only schedule='interleaved' places several chunks on a stage "
+        "(or 'zb-v', two)"]
