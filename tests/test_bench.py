@@ -2,6 +2,7 @@
 accounting of a step in processes is checked on a trace made by hand."""
 import pytest
 
+from engine.device import cpu_cores
 from engine.trace import Event, Message, Trace
 from lab import bench
 
@@ -23,7 +24,8 @@ def test_quick_benchmark_prints_every_row(capsys):
     accounts = [row for row in rows if any(what in row for what in ("with nothing to wait for", "outside its flow",
                                                                       "reading a message", "out of shared memory"))]
     assert len(accounts) == 4 and "with a send " in accounts[0] and "after the last task " in accounts[1]
-    assert "right after a task" in accounts[2] and "written by the other process" in accounts[3]
+    assert "right after a task" in accounts[2]
+    assert ("written by the other process" if cpu_cores() >= 2 else "needs 2 cores") in accounts[3]  # a 1-core host
     assert len(timed) == 4 and " ms, " in timed[0] and all("sending " in row and "a task " in row for row in timed[1:3])
     assert "shared memory: " in timed[3] and "waits asleep: " in timed[3] and "gloo: " in timed[3]
     for row in rows:
