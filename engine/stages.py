@@ -34,10 +34,9 @@ class LocalStages:
         return self.chunk_count - 1 in self.chunks
 
     def start(self, call: Call) -> float:
-        """Begin a call and return its time origin (a perf_counter reading), taken once the streams of
-        these stages are idle (not the whole GPU: an NCCL receive posted for this call may be pending on
-        its own), so that host and GPU clocks start together: peak memory reset per device, and one
-        activation ledger per stage, shared by all of its chunks."""
+        """Begin a call and return its time origin (a perf_counter reading), taken once these stages'
+        streams are idle (not the whole GPU: a receive posted for the call may be pending), so host and
+        GPU clocks start together: peak memory reset per device, one activation ledger per stage."""
         gpus = {d.device for d in self.devices.values() if d.is_cuda}
         self.settle()
         for gpu in gpus:
@@ -57,8 +56,7 @@ class LocalStages:
         return t0
 
     def settle(self) -> None:
-        """Wait until every stage's queued GPU work has run (nothing to wait for on CPU): losses,
-        outputs and gradients are read only after it."""
+        """Wait until every stage's queued GPU work has run (none on CPU): results are read after it."""
         for device in self.devices.values():
             device.settle()
 
