@@ -48,7 +48,7 @@ from .exactness import unpipelined_gradients
 from .launch import ROOT, free_port
 from .loopback import loopback_interface
 from .models import build_mlp, mlp_batch
-from .process_tree import descendants
+from .process_tree import descendants, kill
 from .stepper import Stepper
 
 Check = Callable[[], str]   # returns what it saw; raises (AssertionError or any error) if it failed
@@ -350,11 +350,7 @@ def bounded(args: list[str], seconds: float, env: Optional[dict] = None,
                 os.killpg(process.pid, signal.SIGKILL)  # whatever is left of it
             except ProcessLookupError:
                 pass
-            for pid in tree:
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
+            kill(tree)
             process.wait()
         log.seek(0)
         return code, log.read()

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 from pathlib import Path
 
 
@@ -46,6 +47,15 @@ def descendants(pid: int) -> list[int]:
         found += below
         todo += below
     return found
+
+
+def kill(pids: list[int]) -> None:
+    """SIGKILL each of `pids` that is still there."""
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
 
 
 def orphaned(folder: str, owner: re.Pattern) -> list[str]:

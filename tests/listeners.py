@@ -2,12 +2,11 @@
 (no `ss` or `lsof` needed)."""
 import ipaddress
 import os
-import signal
 import subprocess
 import time
 from pathlib import Path
 
-from lab.process_tree import descendants
+from lab.process_tree import descendants, kill
 
 STATES = {"tcp": "0A", "tcp6": "0A", "udp": "07", "udp6": "07"}  # LISTEN; UDP: bound, unconnected
 
@@ -60,10 +59,6 @@ def run_watching_sockets(command: list[str], timeout: float, **options) -> tuple
             time.sleep(0.1)
     finally:
         if process.poll() is None:  # out of time: it and everything it started (rows run in sessions of their own)
-            for pid in [*descendants(process.pid), process.pid]:
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
+            kill([*descendants(process.pid), process.pid])
         out, err = process.communicate()
     return subprocess.CompletedProcess(command, process.returncode, out, err), seen
