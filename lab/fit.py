@@ -9,6 +9,7 @@ allocated more than the budget for it; stages that share a GPU are counted as on
 """
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 from typing import Callable, Optional
 
@@ -123,14 +124,8 @@ def stream_workspace(gpu: int) -> int:
 def library_workspaces(devices: list[str], per_stream=stream_workspace) -> dict[int, int]:
     """Bytes per GPU index that the library's workspaces take for stages on `devices` (one stream per
     stage, so two stages on one GPU take two): not counted against a memory budget."""
-    measured: dict[int, int] = {}
-    held: dict[int, int] = {}
-    for name in devices:
-        gpu = torch.device(name).index or 0
-        if gpu not in measured:
-            measured[gpu] = per_stream(gpu)
-        held[gpu] = held.get(gpu, 0) + measured[gpu]
-    return held
+    stages_on = Counter(torch.device(name).index or 0 for name in devices)
+    return {gpu: count * per_stream(gpu) for gpu, count in stages_on.items()}
 
 
 def footprint_cuda(config: RunConfig, budget: int) -> tuple[int, int, bool]:
