@@ -8,7 +8,7 @@ from torch import nn
 
 # Tests that share a costly module fixture run on one pytest-xdist worker (--dist loadgroup), so that
 # it starts once: the browser tests' server, the process tests' pools, the breakdown's records.
-SHARED_FIXTURES = {"server": "browser", "pools": "pools", "quick_records": "breakdown"}
+SHARED_FIXTURES = {"app_server": "browser", "pools": "pools", "quick_records": "breakdown"}
 
 
 @pytest.fixture(scope="session", autouse=True)
