@@ -83,8 +83,10 @@ def test_without_warm_forks_each_child_is_a_fresh_interpreter(monkeypatch):
     children = Children(Probe, [()])
     try:
         assert isinstance(children._processes[0], subprocess.Popen)
+        imported_torch = children.ask([("where", None)])[0][2]
+        # read once it has answered: right after Popen, a loaded host may not have run its exec yet
         assert b"lab.child" in Path(f"/proc/{children.pids[0]}/cmdline").read_bytes()
-        assert children.ask([("where", None)])[0][2]  # it imported torch itself
+        assert imported_torch  # it imported torch itself
     finally:
         children.close()
 
