@@ -13,8 +13,8 @@ import streamlit as st
 
 from lab import breakdown, charts, replay, schedule_writer, theory  # like lab.config, no torch: see open_page
 from lab.config import (APP_DEFAULT, BALANCES, MEASURE_WARMUP, MODEL_CARDS, PAGE_BATCHES, PAGE_BLOCKS, PAGE_MICRO,
-                        PAGE_PINS, PAGE_SEED, PAGE_STAGES, PAGE_VIRTUAL, PAGE_WIDTHS, SCHEDULE_ORDER, RunConfig, check,
-                        check_page, measure_rounds, micro_batch_count, visible_gpus)
+                        PAGE_PINS, PAGE_SEED, PAGE_STAGES, PAGE_WIDTHS, SCHEDULE_ORDER, SCHEDULES, RunConfig, check,
+                        check_page, chunks_offered, measure_rounds, micro_batch_count, visible_gpus)
 
 RECOMPUTE = {"on, except the last micro-batch": "except_last", "on, every micro-batch": "always", "off": "never"}
 TRANSPORTS = {"processes": "one process per stage (torch.distributed, gloo)", "threads": "threads in this process"}
@@ -92,10 +92,10 @@ def controls() -> RunConfig:
     micro = slider("micro-batches M", 1, PAGE_MICRO, APP_DEFAULT.micro_batches, key="micro")
     recompute = RECOMPUTE[side.radio("re-materialization (recompute)", list(RECOMPUTE), key="recompute")]
     schedule = side.selectbox("schedule", SCHEDULE_ORDER, key="schedule",
-                              format_func={"gpipe": "GPipe (fill, drain)", "1f1b": "1F1B",
-                                           "interleaved": "interleaved 1F1B", "zb-h1": "zero bubble (ZB-H1)"}.get)
-    virtual = (slider("chunks per stage v", *PAGE_VIRTUAL, PAGE_VIRTUAL[0], key="virtual")
-               if schedule == "interleaved" else 1)
+                              format_func=lambda name: SCHEDULES[name].label)
+    offered = chunks_offered(schedule)
+    virtual = (slider("chunks per stage v", offered[0], offered[-1], offered[0], key="virtual")
+               if len(offered) > 1 else offered[0])
     balance = side.radio("balance", BALANCES, key="balance", format_func={"uniform": "equal layer counts", "time": "by measured time",
                                                            "size": "by memory"}.get)
     gpus = visible_gpus()

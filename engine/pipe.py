@@ -164,8 +164,8 @@ class GPipe(nn.Module):
         if not training:
             return schedules.forward_only(self.placement, micro_batches)
         if isinstance(self.schedule, str):
-            return schedules.Schedule(schedules.NAMED[self.schedule](self.stages, micro_batches, self.checkpoint,
-                                                                    self.virtual_stages))  # keeps ZB-V's V
+            return schedules.Schedule(schedules.SCHEDULES[self.schedule](self.stages, micro_batches, self.checkpoint,
+                                                                       self.virtual_stages))  # keeps ZB-V's V
         if micro_batches != self.micro_batches:
             raise ValueError(f"the schedule was written for M={self.micro_batches} micro-batches, but this "
                              f"mini-batch makes {micro_batches}: pass at least {self.micro_batches} samples")

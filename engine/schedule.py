@@ -22,6 +22,7 @@ bubble and the most micro-batches a stage holds. (lab/schedule_writer.py reads a
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from itertools import accumulate
 from typing import Callable, NamedTuple, Optional
 
@@ -104,21 +105,21 @@ def upstream(task: Task, chunks: int) -> Optional[Task]:
 
 def check_layout(name: str, stages: int, micro_batches: Optional[int], virtual: int,
                  layers: Optional[int] = None) -> None:
-    """The one check of how chunks are laid out, for the pipe, the schedules and the lab: several
-    chunks per stage (v) only with "interleaved", which needs v >= 2 and M a multiple of K
-    (Megatron-LM's rule), or "zb-v", v = 2; K*v chunks need at least as many layers."""
+    """The one check of how chunks are laid out, for the pipe, the schedules and the lab: the chunks
+    per stage (v) and the M that schedule `name` accepts (its entry in SCHEDULES; a written schedule
+    any v), and K*v chunks need at least as many layers."""
     if isinstance(virtual, bool) or not isinstance(virtual, int) or virtual < 1:
         raise ValueError(f"virtual_stages={virtual!r}: expected an int >= 1 (chunks of layers per stage)")
     if micro_batches is not None and (stages < 1 or micro_batches < 1):
         raise ValueError(f"need stages >= 1 and micro_batches >= 1, got {stages} and {micro_batches}")
-    rule = {"interleaved": (virtual >= 2, "needs at least 2 chunks per stage"), "written": (True, ""),
-            "zb-v": (virtual == 2, "places exactly 2 chunks on a stage")}
-    if not rule.get(name, (virtual == 1,))[0]:
-        raise ValueError(f"virtual_stages={virtual}: " + (f"schedule={name!r} {rule[name][1]}" if name in rule else
-                         "only schedule='interleaved' places several chunks on a stage (or 'zb-v', two)"))
-    if name == "interleaved" and micro_batches is not None and micro_batches % stages:
-        raise ValueError(f"schedule='interleaved' needs M (micro-batches, chunks=) to be a multiple of K={stages}, "
-                         f"as Megatron-LM requires; got M={micro_batches}: use M={stages * -(-micro_batches // stages)}")
+    kind = None if name == "written" else SCHEDULES[check_schedule(name)]
+    if kind is not None and not kind.fewest_chunks <= virtual <= (kind.most_chunks or virtual):
+        several = ", ".join(f"{other!r}" for other, k in SCHEDULES.items() if k.most_chunks != 1)
+        hint = f"; several chunks per stage: schedule={several}" if kind.most_chunks == 1 else ""
+        raise ValueError(f"virtual_stages={virtual}: schedule={name!r} places {kind.chunks_said()} on a stage{hint}")
+    if kind is not None and kind.micro_multiple_of_stages and micro_batches is not None and micro_batches % stages:
+        raise ValueError(f"schedule={name!r} needs M (micro-batches, chunks=) to be a multiple of K={stages}, as "
+                         f"Megatron-LM requires; got M={micro_batches}: use M={stages * -(-micro_batches // stages)}")
     if virtual > 1 and layers is not None and stages * virtual > layers:
         raise ValueError(f"{stages} stages x virtual_stages={virtual} = {stages * virtual} chunks but the model has "
                          f"only {layers} layers; expected at most one chunk per layer")
@@ -255,15 +256,45 @@ def zb_v(stages: int, micro_batches: int, checkpoint: str = "except_last", virtu
     return plans
 
 
-SCHEDULES: dict[str, Callable[..., list[list[Task]]]] = {
-    "gpipe": gpipe, "1f1b": one_f_one_b, "interleaved": interleaved, "zb-h1": zb_h1}
-NAMED: dict[str, Callable[..., list[list[Task]]]] = {**SCHEDULES, "zb-v": zb_v}  # the four the lab compares, and ZB-V
+@dataclass(frozen=True)
+class Kind:
+    """A built-in schedule, all that the engine and the lab need of it in one place: how to build
+    its task lists (called as the builder is: K, M, checkpoint mode, v), how pages name it, the
+    chunks of layers per stage (v) it places (`most_chunks` None: no limit), whether M must be a
+    multiple of K, whether it splits each backward into B and W, and whether the lab races it beside
+    the others."""
+    build: Callable[..., list[list[Task]]]
+    label: str
+    fewest_chunks: int = 1
+    most_chunks: Optional[int] = 1
+    micro_multiple_of_stages: bool = False
+    splits_backward: bool = False
+    compared: bool = True
+
+    def __call__(self, stages: int, micro_batches: int, checkpoint: str = "except_last",
+                 virtual: int = 1) -> list[list[Task]]:
+        return self.build(stages, micro_batches, checkpoint, virtual)
+
+    def chunks_said(self) -> str:
+        """The chunks per stage it places, in words: "1 chunk", "exactly 2 chunks", "at least 2 chunks"."""
+        if self.most_chunks == 1:
+            return "1 chunk"
+        return f"{'exactly' if self.most_chunks == self.fewest_chunks else 'at least'} {self.fewest_chunks} chunks"
+
+
+SCHEDULES: dict[str, Kind] = {  # GPipe, then the orders that came after it
+    "gpipe": Kind(gpipe, "GPipe (fill, drain)"),
+    "1f1b": Kind(one_f_one_b, "1F1B"),
+    "interleaved": Kind(interleaved, "interleaved 1F1B", fewest_chunks=2, most_chunks=None,
+                        micro_multiple_of_stages=True),
+    "zb-h1": Kind(zb_h1, "zero bubble (ZB-H1)", splits_backward=True),
+    "zb-v": Kind(zb_v, "zero bubble V (ZB-V)", fewest_chunks=2, most_chunks=2, splits_backward=True, compared=False)}
 
 
 def check_schedule(name: str) -> str:
     """Return `name` if it is a known schedule, else raise a ValueError naming the choices."""
-    if name not in NAMED:
-        raise ValueError(f"schedule={name!r} is not a schedule; expected one of {tuple(NAMED)}")
+    if name not in SCHEDULES:
+        raise ValueError(f"schedule={name!r} is not a schedule; expected one of {tuple(SCHEDULES)}")
     return name
 
 

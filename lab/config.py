@@ -45,7 +45,7 @@ def card(name: str) -> ModelCard:
 
 BALANCES = ("uniform", "time", "size")
 TRANSPORTS = ("threads", "processes")
-SCHEDULE_ORDER = tuple(SCHEDULES)  # GPipe, then the orders that came after it
+SCHEDULE_ORDER = tuple(name for name, kind in SCHEDULES.items() if kind.compared)  # the ones the lab races
 
 
 @dataclass(frozen=True)
@@ -59,8 +59,8 @@ class RunConfig:
     stages: int = 4              # K
     micro_batches: int = 8       # M
     checkpoint: str = "except_last"
-    schedule: str = "gpipe"      # or "1f1b", "interleaved", "zb-h1": the orders that came after GPipe
-    virtual_stages: int = 1      # chunks of layers per stage (v): more than 1 only with "interleaved"
+    schedule: str = "gpipe"      # or another name in engine.schedule.SCHEDULES: the orders that came after GPipe
+    virtual_stages: int = 1      # chunks of layers per stage (v): as many as the schedule places (its Kind says)
     balance: str = "uniform"     # uniform (by layer count), time or size
     seed: int = 0
     device: str = "cpu"          # "cpu": every stage on the CPU; "cuda": stages spread over the GPUs
@@ -149,14 +149,23 @@ def check(config: RunConfig) -> None:
 NVIDIA_SMI = ("nvidia-smi", "/usr/lib/wsl/lib/nvidia-smi")  # on PATH, or where WSL2 keeps it
 
 
+def chunks_offered(schedule: str):
+    """The chunks per stage (v) the app offers for `schedule`: the page's range where the schedule
+    leaves the number to the user (interleaved), else the one number it places."""
+    kind = SCHEDULES[check_schedule(schedule)]
+    if kind.most_chunks == kind.fewest_chunks:
+        return (kind.fewest_chunks,)
+    most = min(kind.most_chunks or PAGE_VIRTUAL[1], PAGE_VIRTUAL[1])
+    return range(max(kind.fewest_chunks, PAGE_VIRTUAL[0]), most + 1)
+
+
 def check_page(config: RunConfig) -> None:
     """Raise ValueError if `config` is beyond what the app's controls offer (PAGE_*)."""
     card(config.model)
     offered = {"blocks": (config.blocks, range(1, PAGE_BLOCKS[config.model] + 1)),
                "width": (config.width, PAGE_WIDTHS[config.model]), "batch": (config.batch, PAGE_BATCHES[config.model]),
                "K": (config.stages, range(1, PAGE_STAGES + 1)), "M": (config.micro_batches, range(1, PAGE_MICRO + 1)),
-               "v": (config.virtual_stages, range(PAGE_VIRTUAL[0], PAGE_VIRTUAL[1] + 1)
-                     if config.schedule == "interleaved" else (1,)),
+               "v": (config.virtual_stages, chunks_offered(config.schedule)),
                "seed": (config.seed, range(PAGE_SEED + 1)), "threads per stage": (config.threads_per_stage, (1,))}
     for name, (value, allowed) in offered.items():
         if value not in allowed:

@@ -6,6 +6,8 @@ from dataclasses import dataclass
 from typing import Callable, Iterator, Optional, Union
 
 from . import replay, theory
+from engine.schedule import SCHEDULES
+
 from .config import SCHEDULE_ORDER
 from .config import RunConfig, check
 from .experiments import RunRecord, parallel_devices, run
@@ -38,8 +40,10 @@ class ScheduleRun:
 
 
 def variant(config: RunConfig, schedule: str, virtual: int = 2) -> RunConfig:
-    """The configuration run under `schedule` (with `virtual` chunks per stage if interleaved)."""
-    return config.but(schedule=schedule, virtual_stages=virtual if schedule == "interleaved" else 1)
+    """The configuration run under `schedule`, with `virtual` chunks per stage where the schedule
+    places a number of them of one's choosing, else the number it places."""
+    kind = SCHEDULES[schedule]
+    return config.but(schedule=schedule, virtual_stages=virtual if kind.most_chunks is None else kind.fewest_chunks)
 
 
 def compare(config: RunConfig, virtual: int = 2, progress: Optional[Callable[[str], None]] = None,

@@ -19,8 +19,7 @@ from engine.trace import Event, Trace
 from .config import RunConfig, micro_batch_count
 from .replay import Timeline
 
-PRESETS = ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-v")
-TWO_CHUNKS = ("interleaved", "zb-v")  # the presets with two chunks of layers per stage
+PRESETS = tuple(schedules.SCHEDULES)  # every built-in schedule, at the fewest chunks per stage it places
 MAX_CHARS = 100_000                   # the longest text `examine` reads
 
 
@@ -136,8 +135,8 @@ def preset(name: str, stages: int, micro_batches: int, checkpoint: str) -> str:
     built (interleaved needs M a multiple of K)."""
     if name not in PRESETS:
         raise ValueError(f"preset {name!r}: expected one of {PRESETS}")
-    virtual = 2 if name in TWO_CHUNKS else 1
-    return format(Schedule(schedules.NAMED[name](stages, micro_batches, checkpoint, virtual)))
+    kind = schedules.SCHEDULES[name]
+    return format(Schedule(kind(stages, micro_batches, checkpoint, kind.fewest_chunks)))
 
 
 def describe(report: Report) -> str:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Optional, Sequence
 
-from engine.schedule import gpipe, timeline
+from engine.schedule import SCHEDULES, check_schedule, gpipe, timeline
 
 # Table 2 of the paper: normalized training throughput on TPUs by (K, M). Each model is normalized
 # to its own K=2, M=1 cell (value 1): the paper has no one-device column, and its caption says the
@@ -146,8 +146,10 @@ def why_cells_exceed() -> str:
 def unit_costs(schedule: str, virtual: int = 1) -> dict[str, float]:
     """Task costs of the unit-cost model, per chunk: a stage's forward is 1 and its backward 2 (F=1,
     B=2, a recompute is one more forward); the zero-bubble paper's accounting splits the backward
-    into B=1 and W=1. A chunk of an interleaved stage does 1/v of the stage's work."""
-    costs = {"F": 1.0, "B": 1.0, "W": 1.0, "R": 1.0} if schedule == "zb-h1" else {"F": 1.0, "B": 2.0, "R": 1.0}
+    into B=1 and W=1 (the schedules that split it: ZB-H1, ZB-V). A chunk of a stage of v chunks does
+    1/v of the stage's work."""
+    split = SCHEDULES[check_schedule(schedule)].splits_backward
+    costs = {"F": 1.0, "B": 1.0, "W": 1.0, "R": 1.0} if split else {"F": 1.0, "B": 2.0, "R": 1.0}
     return {op: cost / virtual for op, cost in costs.items()}
 
 

@@ -82,17 +82,6 @@ def launched_by_torchrun() -> bool:
     return dist.is_available() and dist.is_torchelastic_launched()
 
 
-def fewest_chunks_per_stage(schedule: str, stages: int) -> int:
-    """The fewest chunks of layers per stage (v) that `schedule` accepts: 1 for most, 2 for the
-    schedules that place several chunks on a stage (engine.schedule.check_layout decides)."""
-    for virtual in (1, 2):
-        try:
-            check_layout(schedule, stages, None, virtual)
-            return virtual
-        except ValueError:
-            continue
-    return 1
-
 
 def main(argv=None) -> int:
     args = parser().parse_args(argv)
@@ -158,7 +147,7 @@ def main(argv=None) -> int:
                   f"layers; use more --blocks", file=sys.stderr)
         return 2
     model = zoo.build(args.blocks, args.width, args.seed)
-    virtual = args.virtual_stages or fewest_chunks_per_stage(args.schedule, stages)
+    virtual = args.virtual_stages or SCHEDULES[args.schedule].fewest_chunks
     try:
         check_layout(args.schedule, stages, args.micro_batches, virtual, zoo.layer_count(args.blocks))
     except ValueError as error:

@@ -95,15 +95,16 @@ def test_a_task_is_marked_started_after_its_input_is_received_and_serial_runs_se
 def test_every_payload_travels_an_nccl_edge_of_its_own(name, stages):
     """NCCL may hold a send until the peer posts its receive: a communicator with traffic both ways
     can deadlock. Each message a schedule sends must have its one-way edge (kind, sender, receiver)."""
-    virtual = 2 if name == "interleaved" else 1
-    chunks = stages * virtual
-    edges = set(nccl_edges(stages, wraps=virtual > 1))
-    for tasks in schedules.SCHEDULES[name](stages, 2 * stages, "never", virtual):
+    kind = schedules.SCHEDULES[name]
+    plan = schedules.Schedule(kind(stages, 2 * stages, "never", kind.fewest_chunks))
+    chunks, owner = len(plan.placement), plan.placement
+    edges = set(nccl_edges(stages, plan.placement))
+    for tasks in plan:
         for task in tasks:
             target = task.chunk + 1 if task.op == "F" else task.chunk - 1 if task.op == "B" else None
             if target is None or not 0 <= target < chunks:
                 continue
-            source, destination = schedules.owner(task.chunk, stages), schedules.owner(target, stages)
+            source, destination = owner[task.chunk], owner[target]
             if source != destination:
                 assert ("act" if task.op == "F" else "grad", source, destination) in edges
 
@@ -116,7 +117,7 @@ def test_every_rank_makes_every_pipelines_nccl_groups_in_one_order(monkeypatch):
         monkeypatch.setattr(dist, "get_rank", lambda me=me: me)
         monkeypatch.setattr(dist, "new_group", lambda ranks, me=me, **options: made.setdefault(me, []).append(
             (tuple(ranks), options["backend"])) or tuple(sorted(ranks)))
-        mine = edge_groups([(0, 1), (2, 3)], [0, 1] if me < 2 else [2, 3], 2, wraps=False)
+        mine = edge_groups([(0, 1), (2, 3)], [0, 1] if me < 2 else [2, 3], 2, (0, 1))
         assert set(mine) == {("act", 0, 1), ("grad", 1, 0)}
         peer = me ^ 1   # its neighbour in its pipeline, rank 0 or 1 of each two-rank group
         assert all(group == tuple(sorted([me, peer])) and local == sorted([me, peer]).index(peer)

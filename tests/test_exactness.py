@@ -345,7 +345,8 @@ def test_interleaved_places_chunks_round_robin_and_balances_them(batch):
         GPipe(mlp(), 5, chunks=5, schedule="interleaved", virtual_stages=2)
     with pytest.raises(ValueError, match="with virtual_stages=2 it lists the K\\*v chunks, expected a multiple of 2"):
         GPipe(mlp(), [3, 3, 3], chunks=2, schedule="interleaved", virtual_stages=2)
-    with pytest.raises(ValueError, match="virtual_stages=2: only schedule='interleaved'"):
+    with pytest.raises(ValueError, match="virtual_stages=2: schedule='gpipe' places 1 chunk on a stage; several chunks per stage: "
+                                         "schedule='interleaved', 'zb-v'"):
         GPipe(mlp(), 2, virtual_stages=2)
 
 

@@ -63,9 +63,9 @@ def test_bad_sizes():
         gpipe(0, 4)
     with pytest.raises(ValueError, match="needs M \\(micro-batches, chunks=\\) to be a multiple of K=4.*got M=6: use M=8"):
         interleaved(4, 6, "never", 2)
-    with pytest.raises(ValueError, match="at least 2 chunks per stage"):
+    with pytest.raises(ValueError, match="schedule='interleaved' places at least 2 chunks on a stage"):
         interleaved(4, 8, "never", 1)
-    with pytest.raises(ValueError, match="only schedule='interleaved' places several chunks"):
+    with pytest.raises(ValueError, match="schedule='1f1b' places 1 chunk on a stage; several chunks"):
         one_f_one_b(2, 4, "never", 2)
 
 
@@ -166,5 +166,5 @@ def test_every_schedule_is_complete_ordered_and_deadlock_free(name):
 
 def test_schedules_are_pure_functions():
     for name, make in SCHEDULES.items():
-        virtual = 2 if name == "interleaved" else 1
+        virtual = make.fewest_chunks
         assert make(4, 8, "always", virtual) == make(4, 8, "always", virtual)

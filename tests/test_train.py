@@ -66,5 +66,5 @@ def test_every_schedule_trains_with_the_chunks_per_stage_it_needs(capsys):
     assert train.main([*small, "--schedule", "interleaved", "--virtual-stages", "3", "--blocks", "4"]) == 0
     assert train.main([*small, "--schedule", "1f1b", "--virtual-stages", "2"]) == 2
     assert capsys.readouterr().err.strip().splitlines() == [
-        "python -m lab.train: error: virtual_stages=2: only schedule='interleaved' places several chunks on a stage "
-        "(or 'zb-v', two)"]
+        "python -m lab.train: error: virtual_stages=2: schedule='1f1b' places 1 chunk on a stage; several chunks per "
+        "stage: schedule='interleaved', 'zb-v'"]

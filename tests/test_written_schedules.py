@@ -11,7 +11,7 @@ from torch import nn
 
 from conftest import grads, mlp
 from engine import GPipe
-from engine.schedule import NAMED, Schedule, Task, check, interleaved, one_f_one_b, v_shape, zb_h1, zb_v
+from engine.schedule import SCHEDULES, Schedule, Task, check, interleaved, one_f_one_b, v_shape, zb_h1, zb_v
 from lab.exactness import unpipelined_gradients
 from lab.schedule_writer import format, parse
 
@@ -20,10 +20,10 @@ MODES = ("never", "except_last", "always")
 
 
 def named(name, stages, micro, checkpoint):
-    return Schedule(NAMED[name](stages, micro, checkpoint, 2 if name in ("interleaved", "zb-v") else 1))
+    return Schedule(SCHEDULES[name](stages, micro, checkpoint, SCHEDULES[name].fewest_chunks))
 
 
-@pytest.mark.parametrize("name", list(NAMED))
+@pytest.mark.parametrize("name", list(SCHEDULES))
 def test_every_named_schedule_round_trips_through_text_and_torchs_actions(name):
     for stages in (1, 2, 3, 4):
         for micro in (1, 2, 4, 8):
@@ -348,3 +348,17 @@ def test_the_writers_verdicts_predictions_and_guards():
     assert schedule_writer.exactness_line(reference).startswith("GPipe: the reference")
     assert schedule_writer.exactness_line(replace(reference, label="written", difference=2e-8)) == \
         "written: largest gradient difference from GPipe's gradients 2.0e-08"
+
+
+@pytest.mark.parametrize("name", list(SCHEDULES))
+def test_every_built_in_schedule_is_laid_out_and_offered_by_the_lab(name):
+    """Each entry of the one registry reaches every place that names schedules: the unit-cost
+    diagram (W tasks costed where the schedule splits its backward), lab.train's choices, the
+    schedule writer's presets; the lab races the ones marked `compared`."""
+    from lab import replay, schedule_writer, train
+    from lab.config import SCHEDULE_ORDER
+    kind = SCHEDULES[name]
+    line = replay.unit_cost(4, 8, "never", schedule=name, virtual=kind.fewest_chunks)
+    assert ("W" in {e.op for e in line.bars}) == kind.splits_backward and 0 < line.bubble < 1
+    assert train.parser().parse_args(["--schedule", name]).schedule == name
+    assert name in schedule_writer.PRESETS and (name in SCHEDULE_ORDER) == kind.compared

@@ -58,13 +58,13 @@ class GlooLane:
     """This rank's gloo (and NCCL) connections to its neighbouring stages."""
 
     def __init__(self, rank: int, pipelines: list, members: list[int], peers: list[int], device: torch.device,
-                 nccl: bool, wraps: bool = False, check=lambda: None):
+                 nccl: bool, placement: tuple = (), check=lambda: None):
         self.rank, self.device = rank, device
         self.name = "gloo+nccl" if nccl else "gloo"  # headers always on gloo; payloads between GPUs on NCCL
         self.wire = own_group(pipelines, members, backend="gloo", timeout=NEVER)
         # a two-rank NCCL group per edge carries traffic one way only: NCCL may hold a send until its
         # receive is posted, so two ranks could otherwise both wait on sends posted first
-        self.tensor_groups = edge_groups(pipelines, members, len(members), wraps) if nccl else {}
+        self.tensor_groups = edge_groups(pipelines, members, len(members), placement) if nccl else {}
         self._events: queue.SimpleQueue = queue.SimpleQueue()  # (link, slot) or (None, error, peer)
         self._in_flight: collections.deque = collections.deque()  # sends: (gloo works, NCCL works, buffers, peer)
         self._reap = threading.Condition()           # wakes the sender thread: reap what is in flight
@@ -364,20 +364,23 @@ def connect(edges: dict, rank: int, device: torch.device, check=lambda: None,
         raise give_up(f"{[edge for edge, _ in failed]} failed ({str(failed[0][1]).splitlines()[0][:200]})")
 
 
-def nccl_edges(size: int, wraps: bool) -> list[tuple[str, int, int]]:
-    """The edges (kind, sender, receiver) a pipe's payloads travel, in one order for every rank; chunks
-    that wrap around (interleaved) add last -> first and back."""
-    edges = [("act", r, r + 1) for r in range(size - 1)] + [("grad", r + 1, r) for r in range(size - 1)]
-    return edges + [("act", size - 1, 0), ("grad", 0, size - 1)] if wraps and size > 1 else edges
+def nccl_edges(size: int, placement: tuple = ()) -> list[tuple[str, int, int]]:
+    """The edges (kind, sender, receiver) a pipe's payloads travel, in one order for every rank: where
+    consecutive chunks sit on two ranks (`placement`: each chunk's rank; none given, one chunk each),
+    activations go one way and gradients come back. A loop placement (interleaved) adds last -> first,
+    a V (ZB-V) the way back down."""
+    pairs = zip(placement, placement[1:]) if placement else ((r, r + 1) for r in range(size - 1))
+    hops = list(dict.fromkeys((a, b) for a, b in pairs if a != b))
+    return [("act", a, b) for a, b in hops] + [("grad", b, a) for a, b in hops]
 
 
-def edge_groups(pipelines: list, members: list[int], size: int, wraps: bool) -> dict:
+def edge_groups(pipelines: list, members: list[int], size: int, placement: tuple = ()) -> dict:
     """This rank's two-rank NCCL group per edge it is on, {(kind, sender, receiver): (group, peer's
     rank in it)}; every rank makes every pipeline's, in one order."""
     me = dist.get_rank()
     mine = {}
     for ranks in pipelines:
-        for kind, a, b in nccl_edges(size, wraps):
+        for kind, a, b in nccl_edges(size, placement):
             pair = [ranks[a], ranks[b]]
             group = dist.new_group(pair, backend="nccl", timeout=NEVER, use_local_synchronization=False)
             if me in pair and list(ranks) == list(members):

@@ -59,7 +59,7 @@ class RankRunner:
         self.transport = ProcessTransport(
             self.ranks, group, next(iter(local.devices.values())).device,
             upstream=(rank - 1) % stages if rank > 0 or wraps else None,
-            downstream=(rank + 1) % stages if rank < stages - 1 or wraps else None, wraps=wraps, placement=placement)
+            downstream=(rank + 1) % stages if rank < stages - 1 or wraps else None, placement=placement)
         try:
             self.replicas = None if data_parallel is None else Replicas(data_parallel, rank, self.transport.shared)
         except ValueError:

@@ -154,7 +154,7 @@ class ProcessTransport:
     """This rank's connections to its neighbouring stages (see the module docstring)."""
 
     def __init__(self, ranks: Ranks, group, device: torch.device, upstream: Optional[int], downstream: Optional[int],
-                 wraps: bool = False, placement: tuple = ()):
+                 placement: tuple = ()):
         self.ranks, self.device, self.upstream, self.placement = ranks, device, upstream, placement
         members = dist.get_process_group_ranks(group)
         world = World.gather(members, device, group)
@@ -163,7 +163,7 @@ class ProcessTransport:
         clocks = [world.clocks[member] for member in members]
         peers = sorted({p for p in (upstream, downstream) if p is not None and p != ranks.rank})
         try:
-            self.lane: Lane = self._open_lane(world, members, peers, wraps=wraps)
+            self.lane: Lane = self._open_lane(world, members, peers)
         except StageFailed as error:  # told, so that the other ranks building the pipe stop too
             self.shared.set("broken", str(error)[:NOTE_CHARS])
             raise
@@ -178,7 +178,7 @@ class ProcessTransport:
         self._traffic: collections.Counter = collections.Counter()  # (step, "sent" | "received", peer) -> messages
         self._closed = False
 
-    def _open_lane(self, world: "World", members: list[int], peers: list[int], wraps: bool) -> Lane:
+    def _open_lane(self, world: "World", members: list[int], peers: list[int]) -> Lane:
         """Shared memory for one host of CPUs (unless GPIPE_LANE says gloo), else gloo (and NCCL).
         Every rank decides alike from the Store: gloo's and NCCL's groups are made by all together."""
         asked = os.environ.get("GPIPE_LANE", "auto")
@@ -194,7 +194,7 @@ class ProcessTransport:
         if asked == "shm":
             raise ValueError("GPIPE_LANE=shm but the ranks are not all on this host, or the stages are on GPUs")
         return GlooLane(self.ranks.rank, world.pipelines, members, peers, self.device,
-                        nccl=use_nccl(world.device_types, world.nccl, world.gpus), wraps=wraps,
+                        nccl=use_nccl(world.device_types, world.nccl, world.gpus), placement=self.placement,
                         check=lambda: self._told("broken"))
 
     # --- one call ---------------------------------------------------------------------------
