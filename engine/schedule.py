@@ -259,12 +259,16 @@ def zb_v(stages: int, micro_batches: int, checkpoint: str = "except_last", virtu
 @dataclass(frozen=True)
 class Kind:
     """A built-in schedule, all that the engine and the lab need of it in one place: how to build
-    its task lists (called as the builder is: K, M, checkpoint mode, v), how pages name it, the
-    chunks of layers per stage (v) it places (`most_chunks` None: no limit), whether M must be a
-    multiple of K, whether it splits each backward into B and W, and whether the lab races it beside
-    the others."""
+    its task lists (called as the builder is: K, M, checkpoint mode, v), how pages name it, where it
+    comes from, its unit-cost bubble (K, M, v; None: read off its unit-cost timeline) and the most
+    micro-batches stage k holds (K, M, k, v; in whole stages' worth), the chunks of layers per stage
+    (v) it places (`most_chunks` None: no limit), whether M must be a multiple of K, whether it
+    splits each backward into B and W, and whether the lab races it beside the others."""
     build: Callable[..., list[list[Task]]]
     label: str
+    paper: str
+    bubble: Optional[Callable[[int, int, int], float]]
+    held: Callable[[int, int, int, int], float]
     fewest_chunks: int = 1
     most_chunks: Optional[int] = 1
     micro_multiple_of_stages: bool = False
@@ -283,12 +287,20 @@ class Kind:
 
 
 SCHEDULES: dict[str, Kind] = {  # GPipe, then the orders that came after it
-    "gpipe": Kind(gpipe, "GPipe (fill, drain)"),
-    "1f1b": Kind(one_f_one_b, "1F1B"),
-    "interleaved": Kind(interleaved, "interleaved 1F1B", fewest_chunks=2, most_chunks=None,
-                        micro_multiple_of_stages=True),
-    "zb-h1": Kind(zb_h1, "zero bubble (ZB-H1)", splits_backward=True),
-    "zb-v": Kind(zb_v, "zero bubble V (ZB-V)", fewest_chunks=2, most_chunks=2, splits_backward=True, compared=False)}
+    "gpipe": Kind(gpipe, "GPipe (fill, drain)", "Huang et al., GPipe: Efficient Training of Giant Neural Networks "
+                  "using Pipeline Parallelism, 2019", lambda k, m, v: (k - 1) / (m + k - 1), lambda k, m, s, v: m),
+    "1f1b": Kind(one_f_one_b, "1F1B", "Narayanan et al., Memory-Efficient Pipeline-Parallel DNN Training, ICML 2021 "
+                 "(the synchronous schedule PipeDream-Flush)", lambda k, m, v: (k - 1) / (m + k - 1),
+                 lambda k, m, s, v: min(k - s, m)),  # same idle time as GPipe's, in another order
+    "interleaved": Kind(interleaved, "interleaved 1F1B", "Narayanan et al., Efficient Large-Scale Language Model "
+                        "Training on GPU Clusters Using Megatron-LM, 2021", lambda k, m, v: (k - 1) / (v * m + k - 1),
+                        lambda k, m, s, v: min(2 * (k - 1 - s) + (v - 1) * k + 1, m * v) / v,  # Megatron's fill
+                        fewest_chunks=2, most_chunks=None, micro_multiple_of_stages=True),
+    "zb-h1": Kind(zb_h1, "zero bubble (ZB-H1)", "Qi et al., Zero Bubble Pipeline Parallelism, 2023 (schedule ZB-H1)",
+                  lambda k, m, v: (k - 1) / (3 * m + k - 1), lambda k, m, s, v: min(k, m), splits_backward=True),
+    "zb-v": Kind(zb_v, "zero bubble V (ZB-V)", "Qi et al., Pipeline Parallelism with Controllable Memory, 2024 "
+                 "(schedule ZB-V)", None, lambda k, m, s, v: min(k, m), fewest_chunks=2, most_chunks=2,
+                 splits_backward=True, compared=False)}
 
 
 def check_schedule(name: str) -> str:

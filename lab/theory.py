@@ -92,14 +92,7 @@ def stage_activation_bytes(layer_bytes: Sequence[float], input_bytes: float, bat
 
 # --- the schedules that came after GPipe ------------------------------------------------------
 
-SCHEDULE_PAPERS = {
-    "gpipe": "Huang et al., GPipe: Efficient Training of Giant Neural Networks using Pipeline Parallelism, 2019",
-    "1f1b": "Narayanan et al., Memory-Efficient Pipeline-Parallel DNN Training, ICML 2021 "
-            "(the synchronous schedule PipeDream-Flush)",
-    "interleaved": "Narayanan et al., Efficient Large-Scale Language Model Training on GPU Clusters "
-                   "Using Megatron-LM, 2021",
-    "zb-h1": "Qi et al., Zero Bubble Pipeline Parallelism, 2023 (schedule ZB-H1)",
-}
+SCHEDULE_PAPERS = {name: kind.paper for name, kind in SCHEDULES.items()}
 
 
 def time_vs_one_device(stages: int, micro_batches: int, checkpoint: str = "never",
@@ -154,31 +147,24 @@ def unit_costs(schedule: str, virtual: int = 1) -> dict[str, float]:
 
 
 def schedule_bubble(schedule: str, stages: int, micro_batches: int, virtual: int = 1) -> float:
-    """Idle fraction of the K stages in the unit-cost model, without recompute.
-
-    gpipe and 1f1b: (K-1)/(M+K-1), the same idle time in another order. interleaved: the fill and
-    drain pass through chunks of 1/v the work, (K-1)/(vM+K-1). zb-h1 (F=B=W=1): 1F1B leaves each
-    stage 3(K-1) units idle; ZB-H1 fills two thirds of it with deferred W's, (K-1)/(3M+K-1)."""
-    if schedule in ("gpipe", "1f1b"):
-        return bubble(stages, micro_batches)
-    if schedule == "interleaved":
-        return (stages - 1) / (virtual * micro_batches + stages - 1)
-    if schedule == "zb-h1":
-        return (stages - 1) / (3 * micro_batches + stages - 1)
-    raise ValueError(f"schedule={schedule!r}: expected one of {tuple(SCHEDULE_PAPERS)}")
+    """Idle fraction of the K stages in the unit-cost model, without recompute (the schedule's entry
+    in engine.schedule.SCHEDULES). gpipe and 1f1b: (K-1)/(M+K-1), the same idle time in another
+    order. interleaved: the fill and drain pass through chunks of 1/v the work, (K-1)/(vM+K-1).
+    zb-h1 (F=B=W=1): 1F1B leaves each stage 3(K-1) units idle; ZB-H1 fills two thirds of it with
+    deferred W's, (K-1)/(3M+K-1). A schedule without a closed form (zb-v): its unit-cost timeline's."""
+    kind = SCHEDULES[check_schedule(schedule)]
+    if kind.bubble is not None:
+        return kind.bubble(stages, micro_batches, virtual)
+    costs = unit_costs(schedule, virtual)
+    times = timeline(kind(stages, micro_batches, "never", virtual), lambda k, task: costs[task.op])
+    makespan = max(end for row in times for _, end in row)
+    return 1 - sum(end - start for row in times for start, end in row) / (stages * makespan)
 
 
 def peak_in_flight(schedule: str, stages: int, micro_batches: int, stage: int, virtual: int = 1) -> float:
     """Most micro-batches whose activations stage `stage` holds at once (forward done, backward or,
-    for zb-h1, weight gradient not yet), counted in whole stages' worth: an interleaved chunk holds
-    1/v of its stage's layers. gpipe: M. 1f1b: K-k. interleaved: Megatron's fill of 2(K-1-k) + (v-1)K
-    chunk forwards, plus one, over v. zb-h1: K on every stage, as many as 1F1B's first stage holds."""
-    if schedule == "gpipe":
-        return float(micro_batches)
-    if schedule == "1f1b":
-        return float(min(stages - stage, micro_batches))
-    if schedule == "zb-h1":
-        return float(min(stages, micro_batches))
-    if schedule == "interleaved":
-        return min(2 * (stages - 1 - stage) + (virtual - 1) * stages + 1, micro_batches * virtual) / virtual
-    raise ValueError(f"schedule={schedule!r}: expected one of {tuple(SCHEDULE_PAPERS)}")
+    where the backward is split, weight gradient not yet), counted in whole stages' worth: a chunk of
+    a stage of v holds 1/v of its layers. gpipe: M. 1f1b: K-k. interleaved: Megatron's fill of
+    2(K-1-k) + (v-1)K chunk forwards, plus one, over v. zb-h1 and zb-v: K on every stage, as many as
+    1F1B's first stage holds."""
+    return float(SCHEDULES[check_schedule(schedule)].held(stages, micro_batches, stage, virtual))

@@ -42,8 +42,8 @@ def test_ui_layers_only_call_lab_and_engine_knows_no_ui():
 
 
 README_MAX_LINES = 250
-ENGINE_MAX_LINES, CORE_MAX_LINES = 4400, 2485  # engine/, and engine/ without the process path (distributed/);
-# the core grew by 35 for the one registry of schedules (engine.schedule.SCHEDULES, issue 43)
+ENGINE_MAX_LINES, CORE_MAX_LINES = 4400, 2500  # engine/, and engine/ without the process path (distributed/);
+# the core grew by 50 for the one registry of schedules (engine.schedule.SCHEDULES, issue 43)
 
 
 def test_the_engine_stays_a_compact_read():

@@ -3,6 +3,7 @@ that name the first problem (a deadlock as its cycle of waits), the unit-cost re
 written schedules run exactly on threads and on stage processes."""
 import collections
 import time
+from itertools import accumulate
 from dataclasses import replace
 
 import pytest
@@ -362,3 +363,20 @@ def test_every_built_in_schedule_is_laid_out_and_offered_by_the_lab(name):
     assert ("W" in {e.op for e in line.bars}) == kind.splits_backward and 0 < line.bubble < 1
     assert train.parser().parse_args(["--schedule", name]).schedule == name
     assert name in schedule_writer.PRESETS and (name in SCHEDULE_ORDER) == kind.compared
+
+
+@pytest.mark.parametrize("name", list(SCHEDULES))
+def test_every_schedules_formulas_agree_with_its_own_task_lists(name):
+    """A registry entry's unit-cost bubble and micro-batches held per stage (the lab's predictions)
+    are what its task lists give: laid out at unit costs, and counted (a forward takes one in, its
+    backward, or its W where the backward is split, lets it go; a chunk is 1/v of its stage)."""
+    from lab import replay, theory
+    kind = SCHEDULES[name]
+    for stages, micro in ((1, 1), (2, 4), (3, 6), (4, 8), (4, 16)):
+        v = kind.fewest_chunks
+        plan = Schedule(kind(stages, micro, "never", v))
+        last = "W" if kind.splits_backward else "B"
+        counted = [max(accumulate((t.op == "F") - (t.op == last) for t in tasks)) / v for tasks in plan]
+        assert [theory.peak_in_flight(name, stages, micro, k, v) for k in range(stages)] == counted
+        laid_out = replay.unit_cost(stages, micro, "never", schedule=name, virtual=v).bubble
+        assert theory.schedule_bubble(name, stages, micro, v) == pytest.approx(laid_out, abs=1e-12)
