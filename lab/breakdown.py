@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterator, Optional
 
-from engine.schedule import Task, timeline, upstream
+from engine.schedule import Schedule, Task, timeline, upstream
 from engine.trace import Event, Trace
 
 from . import replay
@@ -217,7 +217,9 @@ def schedule_idle(events: list[Event], stage: int, mean: dict) -> float:
     schedule, with the step's task times (engine.schedule.timeline, as lab.replay lays out replays)."""
     lines = in_order(events)
     order = [[Task(e.op, e.micro, e.chunk) for e in lines.get(k, [])] for k in range(1 + max(lines))]
-    times = timeline(order, lambda k, task: mean[(task.op, task.micro)])
+    ran_on = {e.chunk: e.stage for e in events}  # the step's own placement: a loop, or ZB-V's V
+    times = timeline(Schedule(order, tuple(ran_on[c] for c in range(1 + max(ran_on)))),
+                     lambda k, task: mean[(task.op, task.micro)])
     makespan = max((end for line in times for _, end in line), default=0.0)
     return makespan - sum(end - start for start, end in times[stage])
 

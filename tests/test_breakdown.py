@@ -6,6 +6,7 @@ import math
 
 import pytest
 
+from engine.schedule import SCHEDULES
 from engine.trace import Event, Message, Trace
 from lab import breakdown, charts, processes, replay, reproduce, theory
 from lab.config import RunConfig
@@ -22,14 +23,12 @@ def adds_up(parts: breakdown.Breakdown) -> None:
     assert math.isclose(parts.total, parts.step, rel_tol=0.02), (parts.total, parts.step)
 
 
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved", "zb-h1"])
+@pytest.mark.parametrize("schedule", list(SCHEDULES))
 @pytest.mark.parametrize("checkpoint", ["never", "except_last", "always"])
 @pytest.mark.parametrize("stages,micro", [(1, 4), (2, 4), (4, 8)])
 def test_the_schedules_bubble_is_the_idle_of_the_unit_cost_diagram_with_the_steps_task_times(schedule, checkpoint,
                                                                                               stages, micro):
-    if schedule == "interleaved" and stages == 1:
-        return  # interleaved needs several stages
-    virtual = 2 if schedule == "interleaved" else 1
+    virtual = SCHEDULES[schedule].fewest_chunks
     costs = {op: 0.0013 * cost for op, cost in theory.unit_costs(schedule, virtual).items()}  # a step's times
     line = replay.unit_cost(stages, micro, checkpoint, costs, schedule, virtual, label="a step's task times")
     parts = breakdown.of_trace(line.trace, events_of(line))

@@ -17,6 +17,7 @@ from lab.process_tree import descendants
 from listeners import beyond_loopback, listening
 from lab.launch import two_nodes
 from engine import GPipe
+from engine.schedule import SCHEDULES
 from lab.process_tree import running
 from lab.host import exclusive_gpus
 from lab.pool import ProcessPool, StageProcessError
@@ -59,7 +60,8 @@ def threads_run(model, batch, steps, **options):
 @pytest.mark.parametrize("stages,lane", [(2, "auto"), (3, "auto"), (2, "gloo")])
 def test_three_optimizer_steps_bitwise_equal_to_threads(pools, batch, stages, lane):
     pool = pools(stages, lane)
-    for schedule, virtual in (("gpipe", 1), ("1f1b", 1), ("zb-h1", 1), ("interleaved", 2)):
+    for schedule, kind in SCHEDULES.items():
+        virtual = kind.fewest_chunks
         for checkpoint in ("never", "always"):
             options = dict(balance=stages, chunks=2 * stages, seed=7, schedule=schedule, checkpoint=checkpoint,
                            deferred_batch_norm=True, virtual_stages=virtual)

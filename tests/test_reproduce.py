@@ -7,6 +7,7 @@ from engine.device import cpu_cores
 from lab.process_tree import running
 
 from lab import reproduce
+from lab.config import SCHEDULE_ORDER
 
 
 def read_csv(path):
@@ -56,7 +57,7 @@ def test_schedules_quick_table_has_every_schedule_with_its_theory(tmp_path):
     assert reproduce.main(["schedules", "--quick", "--out", str(tmp_path)]) == 0
     rows = read_csv(tmp_path / "schedules.csv")
     assert [(r["schedule"], r["M"]) for r in rows] == [(s, m) for m in ("4", "8")
-                                                       for s in ("gpipe", "1f1b", "interleaved", "zb-h1")]
+                                                       for s in SCHEDULE_ORDER]
     assert {r["how"] for r in rows} <= {"measured (threads)", "ideal replay"}
     theory = {(r["schedule"], r["M"]): float(r["bubble, theory"]) for r in rows}
     assert theory[("gpipe", "8")] == theory[("1f1b", "8")] == round(3 / 11, 3)

@@ -128,12 +128,14 @@ def test_unit_cost_bubbles_of_the_later_schedules(stages, micro):
 
 def counts_and_dependencies(plan, stages, micro, virtual, checkpoint):
     """Every (micro-batch, chunk) gets exactly one F, R when checkpointed, one B and at most one W,
-    on the stage that owns the chunk, in the order F < R < B < W; the order cannot deadlock."""
+    on the stage that owns the chunk (round robin, or the schedule's own placement: ZB-V's V), in the
+    order F < R < B < W; the order cannot deadlock."""
     chunks = stages * virtual
+    placement = getattr(plan, "placement", None) or tuple(owner(c, stages) for c in range(chunks))
     seen = {}
     for k, tasks in enumerate(plan):
         for i, task in enumerate(tasks):
-            assert owner(task.chunk, stages) == k
+            assert placement[task.chunk] == k
             assert task not in seen, f"{task} twice"
             seen[task] = i
     has_w = any(t.op == "W" for t in seen)
@@ -149,19 +151,17 @@ def counts_and_dependencies(plan, stages, micro, virtual, checkpoint):
     timeline(plan, lambda stage, task: 1.0)  # raises if some task waits for one that can never run
 
 
-@pytest.mark.parametrize("name", ["gpipe", "1f1b", "zb-h1", "interleaved"])
+@pytest.mark.parametrize("name", list(SCHEDULES))
 def test_every_schedule_is_complete_ordered_and_deadlock_free(name):
+    kind = SCHEDULES[name]
     for stages in range(1, 9):
         for micro in range(1, 33):
+            if kind.micro_multiple_of_stages and micro % stages:
+                continue
             for checkpoint in ("never", "except_last", "always"):
-                if name == "interleaved":
-                    if micro % stages:
-                        continue
-                    for virtual in (2, 3):
-                        counts_and_dependencies(SCHEDULES[name](stages, micro, checkpoint, virtual), stages, micro,
-                                                virtual, checkpoint)
-                else:
-                    counts_and_dependencies(SCHEDULES[name](stages, micro, checkpoint), stages, micro, 1, checkpoint)
+                for virtual in range(kind.fewest_chunks, (kind.most_chunks or kind.fewest_chunks + 1) + 1):
+                    counts_and_dependencies(kind(stages, micro, checkpoint, virtual), stages, micro, virtual,
+                                            checkpoint)
 
 
 def test_schedules_are_pure_functions():
