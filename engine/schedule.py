@@ -286,12 +286,16 @@ class Kind:
         return f"{'exactly' if self.most_chunks == self.fewest_chunks else 'at least'} {self.fewest_chunks} chunks"
 
 
+def fill_drain_bubble(stages: int, micro_batches: int, virtual: int = 1) -> float:
+    """(K-1)/(M+K-1): GPipe's idle share with unit costs, and 1F1B's (the same idle time in another order)."""
+    return (stages - 1) / (micro_batches + stages - 1)
+
+
 SCHEDULES: dict[str, Kind] = {  # GPipe, then the orders that came after it
     "gpipe": Kind(gpipe, "GPipe (fill, drain)", "Huang et al., GPipe: Efficient Training of Giant Neural Networks "
-                  "using Pipeline Parallelism, 2019", lambda k, m, v: (k - 1) / (m + k - 1), lambda k, m, s, v: m),
+                  "using Pipeline Parallelism, 2019", fill_drain_bubble, lambda k, m, s, v: m),
     "1f1b": Kind(one_f_one_b, "1F1B", "Narayanan et al., Memory-Efficient Pipeline-Parallel DNN Training, ICML 2021 "
-                 "(the synchronous schedule PipeDream-Flush)", lambda k, m, v: (k - 1) / (m + k - 1),
-                 lambda k, m, s, v: min(k - s, m)),  # same idle time as GPipe's, in another order
+                 "(the synchronous schedule PipeDream-Flush)", fill_drain_bubble, lambda k, m, s, v: min(k - s, m)),
     "interleaved": Kind(interleaved, "interleaved 1F1B", "Narayanan et al., Efficient Large-Scale Language Model "
                         "Training on GPU Clusters Using Megatron-LM, 2021", lambda k, m, v: (k - 1) / (v * m + k - 1),
                         lambda k, m, s, v: min(2 * (k - 1 - s) + (v - 1) * k + 1, m * v) / v,  # Megatron's fill

@@ -306,9 +306,10 @@ def gpu_sets_the_pace() -> str:
 
 def climbed(sizing) -> str:
     """A GPU table's sizing that worked: at the rung it chose, each stage's GPU time per task over the
-    host's time issuing it, at K=8, M=32 (the smallest tasks), a positive number for all 8 stages. Whether the quick sizes reach GPU_TARGET is said, not required: on a fast GPU
-    they stay launch-bound (both times about equal, whatever the size), and `lab.reproduce speedup
-    --device cuda` climbs the full ladder."""
+    host's time issuing it, at K=8, M=32 (the smallest tasks), a positive number for all 8 stages.
+    Whether the quick sizes reach GPU_TARGET is said, not required: on a fast GPU they stay
+    launch-bound (both times about equal, whatever the size), and `lab.reproduce speedup --device
+    cuda` climbs the full ladder."""
     from lab import speedup
     ratios = sizing.ratios
     assert len(ratios) == 8 and all(0 < r < float("inf") for r in ratios), \

@@ -5,9 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Iterator, Optional, Union
 
-from . import replay, theory
 from engine.schedule import SCHEDULES
 
+from . import replay, theory
 from .config import SCHEDULE_ORDER
 from .config import RunConfig, check
 from .experiments import RunRecord, parallel_devices, run

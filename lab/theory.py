@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Optional, Sequence
 
-from engine.schedule import SCHEDULES, check_schedule, gpipe, timeline
+from engine.schedule import SCHEDULES, check, check_schedule, fill_drain_bubble, gpipe, timeline
 
 # Table 2 of the paper: normalized training throughput on TPUs by (K, M). Each model is normalized
 # to its own K=2, M=1 cell (value 1): the paper has no one-device column, and its caption says the
@@ -47,7 +47,7 @@ PAPER_REMAT_GROWTH = 2.7
 
 def bubble(stages: int, micro_batches: int) -> float:
     """Fraction of time each device idles in a fill-drain schedule: (K-1) / (M+K-1)."""
-    return (stages - 1) / (micro_batches + stages - 1)
+    return fill_drain_bubble(stages, micro_batches)
 
 
 def utilization(stages: int, micro_batches: int) -> float:
@@ -155,10 +155,7 @@ def schedule_bubble(schedule: str, stages: int, micro_batches: int, virtual: int
     kind = SCHEDULES[check_schedule(schedule)]
     if kind.bubble is not None:
         return kind.bubble(stages, micro_batches, virtual)
-    costs = unit_costs(schedule, virtual)
-    times = timeline(kind(stages, micro_batches, "never", virtual), lambda k, task: costs[task.op])
-    makespan = max(end for row in times for _, end in row)
-    return 1 - sum(end - start for row in times for start, end in row) / (stages * makespan)
+    return check(kind(stages, micro_batches, "never", virtual), micro_batches, "never").bubble
 
 
 def peak_in_flight(schedule: str, stages: int, micro_batches: int, stage: int, virtual: int = 1) -> float:

@@ -82,7 +82,6 @@ def launched_by_torchrun() -> bool:
     return dist.is_available() and dist.is_torchelastic_launched()
 
 
-
 def main(argv=None) -> int:
     args = parser().parse_args(argv)
     for name in ("steps", "stages", "data_parallel", "micro_batches", "batch", "blocks", "width", "log_every"):

@@ -2,7 +2,8 @@
 as committed, every "your turn" cell still blank (Run All runs every cell, and each check says
 "not attempted yet"), then, in the same kernel, each folded answer with its check (every check
 passes). The notebooks whose claims depend on the host's size also run as if the host had
-1, 8 or 16 parallel devices, where that takes them down another branch than this host does. They are committed without outputs."""
+1, 8 or 16 parallel devices, where that takes them down another branch than this host does.
+They are committed without outputs."""
 import json
 import os
 import re
