@@ -7,8 +7,10 @@ import torch
 from torch import nn
 
 # Tests that share a costly module fixture run on one pytest-xdist worker (--dist loadgroup), so that
-# it starts once: the browser tests' server, the process tests' pools, the breakdown's records.
-SHARED_FIXTURES = {"app_server": "browser", "pools": "pools", "quick_records": "breakdown"}
+# it starts once: the browser tests' server, the process tests' pools, the breakdown's records, the
+# replicas' torchrun mesh.
+SHARED_FIXTURES = {"app_server": "browser", "pools": "pools", "quick_records": "breakdown",
+                   "replica_mesh": "replica_mesh"}
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -17,6 +19,11 @@ def temporary_folder_of_the_run(tmp_path_factory):
     which a killed agent leaves behind) under pytest's own folder for the run, which pytest prunes;
     this process's Meetings too, so that they sweep where the children's were made."""
     os.environ["TMPDIR"] = tempfile.tempdir = str(tmp_path_factory.mktemp("tmp"))
+    if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1:
+        # A stage process that has a core of its own polls its lane before it sleeps (shm_lane.spin_for
+        # counts the host's cores); beside another worker's test no core is its own, and the polling
+        # took the CPU that test needed. The tests of spinning itself set their own.
+        os.environ.setdefault("GPIPE_SPIN_SECONDS", "0")
 
 
 def pytest_collection_modifyitems(items):

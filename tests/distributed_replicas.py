@@ -2,8 +2,8 @@
 as data-parallel replicas (a 2 x 2 mesh), compared on every rank with one process training the
 whole model on the whole global batch. Each rank writes JSON lines to GPIPE_FAULTS_OUT/rank<r>.jsonl.
 
-    torchrun --standalone --nproc-per-node 4 tests/distributed_replicas.py exact
-    torchrun --standalone --nproc-per-node 4 tests/distributed_replicas.py errors   # or kill
+    torchrun --standalone --nproc-per-node 4 tests/distributed_replicas.py exact   # then an exception
+    torchrun --standalone --nproc-per-node 4 tests/distributed_replicas.py kill
 """
 import json
 import os
@@ -27,11 +27,12 @@ from engine.partition import split  # noqa: E402
 D, K, M, GLOBAL = 2, 2, 4, 32
 LOSS = nn.CrossEntropyLoss()
 SCENARIO = sys.argv[1] if len(sys.argv) > 1 else "exact"
+FAULTS = {"raise": "errors", "kill": "kill"}  # the scenario a fault's reports are filed under
 
 
-def report(**fields) -> None:
+def report(scenario: str = SCENARIO, **fields) -> None:
     with open(os.path.join(os.environ["GPIPE_FAULTS_OUT"], f"rank{os.environ['RANK']}.jsonl"), "a") as out:
-        out.write(json.dumps({"scenario": SCENARIO, "rank": dist.get_rank(), **fields}) + "\n")
+        out.write(json.dumps({"scenario": scenario, "rank": dist.get_rank(), **fields}) + "\n")
 
 
 def batches(steps: int, dtype=torch.float64):
@@ -121,7 +122,7 @@ class Explodes(nn.Module):
 
     def forward(self, x):
         if self.training and dist.get_rank() == 3:
-            report(failed_at=time.time())
+            report(FAULTS[self.how], failed_at=time.time())
             if self.how == "kill":
                 os.kill(os.getpid(), signal.SIGKILL)
             raise ZeroDivisionError("boom in replica 1")
@@ -136,25 +137,24 @@ def fault(how: str) -> None:
     x, y = batches(1, dtype=torch.float32)[0]
     try:
         pipe.step(shard(x, replica) if stage == 0 else None, shard(y, replica) if stage == K - 1 else None, LOSS)
-        report(raised=None, at=time.time())
+        report(FAULTS[how], raised=None, at=time.time())
     except Exception as error:  # reported for the test to read
-        report(raised=type(error).__name__, message=str(error)[:300], at=time.time())
+        report(FAULTS[how], raised=type(error).__name__, message=str(error)[:300], at=time.time())
     if how == "raise":  # a step after a failed one is refused on every rank, not run on a half-summed group
         try:
             pipe.step(shard(x, replica) if stage == 0 else None, shard(y, replica) if stage == K - 1 else None, LOSS)
-            report(after=None)
+            report(FAULTS[how], after=None)
         except Exception as error:
-            report(after=str(error)[:300])
+            report(FAULTS[how], after=str(error)[:300])
 
 
 def main() -> None:
+    """`kill`: rank 3 dies in its first step. `exact` (one mesh for two tests, since a mesh costs its
+    four interpreters): every exactness case, then an exception raised in one replica's first step."""
     dist.init_process_group("gloo")
-    if SCENARIO in ("errors", "kill"):
-        fault("raise" if SCENARIO == "errors" else "kill")
-        if SCENARIO == "kill":  # a dead rank cannot join a barrier: leave now, as a survivor would
-            os._exit(0)
-        dist.destroy_process_group()
-        return
+    if SCENARIO == "kill":
+        fault("kill")
+        os._exit(0)  # a dead rank cannot join a barrier: leave now, as a survivor would
     pp, dp = mesh_groups()
     for schedule in ("gpipe", "1f1b"):
         for checkpoint in ("never", "always"):
@@ -169,6 +169,7 @@ def main() -> None:
     except ValueError as error:
         report(case=["same group twice"], raised=str(error))
     dist.barrier()
+    fault("raise")
     dist.destroy_process_group()
 
 

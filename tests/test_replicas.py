@@ -33,11 +33,19 @@ def torchrun(scenario: str, folder: Path, timeout: float):
                           env={**os.environ, "GPIPE_FAULTS_OUT": str(folder)})
 
 
-@pytest.mark.timeout(240)
-def test_a_2x2_mesh_trains_exactly_as_one_process_on_the_global_batch(tmp_path):
-    done = torchrun("exact", tmp_path, 220)
+@pytest.fixture(scope="module")
+def replica_mesh(tmp_path_factory) -> list[dict]:
+    """The reports of one 2 x 2 mesh (tests/distributed_replicas.py exact): the exactness cases, then
+    an exception in one replica. Two tests read it; a mesh costs four interpreters."""
+    folder = tmp_path_factory.mktemp("replica_mesh")
+    done = torchrun("exact", folder, 220)
     assert done.returncode == 0, done.stderr[-3000:]
-    reports = reports_in(tmp_path)
+    return reports_in(folder)
+
+
+@pytest.mark.timeout(240)
+def test_a_2x2_mesh_trains_exactly_as_one_process_on_the_global_batch(replica_mesh):
+    reports = [r for r in replica_mesh if r["scenario"] == "exact"]
     trained = [r for r in reports if "loss_difference" in r]
     cases = {tuple(r["case"]) for r in trained}
     assert len(cases) == 2 * 2 * 2 + 2 and len(trained) == 4 * len(cases)  # every rank reports every case
@@ -62,17 +70,16 @@ def outcomes(reports: list[dict]) -> tuple[float, dict]:
     return failed_at, {r["rank"]: r for r in reports if "raised" in r}
 
 
-@pytest.mark.timeout(120)
-def test_an_exception_in_one_replica_is_raised_on_all_four_ranks_within_5_seconds(tmp_path):
-    done = torchrun("errors", tmp_path, 110)
-    assert done.returncode == 0, done.stderr[-3000:]
-    failed_at, raised = outcomes(reports_in(tmp_path))
+@pytest.mark.timeout(240)
+def test_an_exception_in_one_replica_is_raised_on_all_four_ranks_within_5_seconds(replica_mesh):
+    reports = [r for r in replica_mesh if r["scenario"] == "errors"]
+    failed_at, raised = outcomes(reports)
     assert sorted(raised) == [0, 1, 2, 3]
     assert raised[3]["raised"] == "ZeroDivisionError"
     assert raised[3]["message"].startswith("[replica 1, rank 3, stage 1, micro-batch 0, forward (F0)] boom in replica 1")
     assert all(raised[r]["raised"] == "StageFailed" and "boom in replica 1" in raised[r]["message"] for r in (0, 1, 2))
     assert max(r["at"] for r in raised.values()) - failed_at < 5
-    after = [r["after"] for r in reports_in(tmp_path) if "after" in r]
+    after = [r["after"] for r in reports if "after" in r]
     assert len(after) == 4 and all("data-parallel group is abandoned" in (said or "") for said in after), after
 
 
