@@ -285,8 +285,8 @@ def test_the_gpu_table_runs_a_process_per_gpu_where_there_are_two(monkeypatch):
 
 
 def test_a_failed_nccl_receive_is_raised_naming_its_sender():
-    """NCCL marks a failed receive completed; its error is read and raised, naming the rank it was
-    to come from, instead of the stage computing on garbage."""
+    """NCCL marks a failed receive completed; its error is read and raised, naming the rank it came
+    from, instead of the stage computing on garbage: an activation or gradient, and a call's "end"."""
     class Failed(_NeverCompletes):
         def is_completed(self):
             return True
@@ -295,11 +295,14 @@ def test_a_failed_nccl_receive_is_raised_naming_its_sender():
             return RuntimeError("NCCL error: remote process exited")
     transport = ProcessTransport.__new__(ProcessTransport)
     transport.ranks, transport.step, transport._failure = Ranks(1, 3), 0, None
-    transport.placement = [0, 1, 2]  # chunk c on stage c
     transport.lane, transport.shared = _lane_with_nccl_sends_in_flight(), dist.HashStore()
-    transport._arrived = {(0, "grad", 4, 1): ("value", [Failed()])}
+    transport._arrived = {(0, "grad", 4, 1): ("value", [Failed()], 2)}
     with pytest.raises(StageFailed, match=r"\[rank 2, stage 2\] unreachable.*remote process exited"):
         transport.receive(1, ("grad", 4, 1))
+    transport._failure, transport.shared = None, dist.HashStore()
+    transport._arrived = {(0, "end", 0, 0): ("their total", [Failed()], 2)}
+    with pytest.raises(StageFailed, match=r"\[rank 2, stage 2\] unreachable.*remote process exited"):
+        transport.receive_control("end")
 
 
 def test_a_payload_copied_to_a_gpu_from_the_host_lane_is_handed_over_with_its_event():
@@ -311,7 +314,7 @@ def test_a_payload_copied_to_a_gpu_from_the_host_lane_is_handed_over_with_its_ev
     transport.ranks, transport.step, transport._failure = Ranks(1, 2), 0, None
     transport.lane, transport.shared = _lane_with_nccl_sends_in_flight(), dist.HashStore()
     ready = Event()
-    transport._arrived = {(0, "act", 2, 1): ("value", ready)}
+    transport._arrived = {(0, "act", 2, 1): ("value", ready, 0)}
     assert transport.receive(1, ("act", 2, 1)) == ("value", ready)
 
 
@@ -423,8 +426,11 @@ def test_a_ping_pong_reads_a_reply_once_its_nccl_transfer_is_done():
             self.polls += 1
             return self.polls > 3
 
+        def exception(self):
+            return None
+
     transfer = Transfer()
-    transport._get = lambda key: ("payload", [transfer])
+    transport._get = lambda key: ("payload", [transfer], 1)
     assert transport.receive_control("grad", micro=1) == "payload" and transfer.polls == 4
 
 

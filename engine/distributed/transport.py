@@ -171,7 +171,7 @@ class ProcessTransport:
         self.clock_offset = self.lane.clock_offset(remote) if remote else 0.0
         self.step = -1
         self.decision: Optional[Decision] = None
-        self._arrived: dict = {}                      # (step, kind, micro, chunk) -> (value, NCCL works or None)
+        self._arrived: dict = {}                      # (step, kind, micro, chunk) -> (value, NCCL works or None, sender)
         self._decided = -1                            # the last call whose decision arrived
         self._failure: Optional[StageFailed] = None   # a lost connection: every later wait raises it
         self._log: list[tuple] = []                   # (step, *fields of a trace.Message), perf_counter times
@@ -218,15 +218,9 @@ class ProcessTransport:
     def receive(self, stage: int, key):
         """What a neighbour sent for the current call under `key`: (value, NCCL works or None), once
         NCCL delivered it (the host waits, looking for failures: a stream waiting on a lost peer could not)."""
-        value, ready = self._get((self.step, *key))  # NCCL works, or a host copy's CUDA event (the stage waits on it)
-        works = ready if isinstance(ready, list) else []
-        until_completed(works, self._check_receiving, every=POLL_SECONDS)
-        for work in works:  # a completed work may have failed: wait() would not say so on the host
-            if work.exception() is not None:
-                kind, _, chunk = key  # an activation comes from the chunk before, a gradient from the one after
-                sender = self.placement[chunk - 1 if kind == "act" else chunk + 1]
-                self._failure = self._lost(sender, work.exception())
-                raise self._failure
+        value, ready, sender = self._get((self.step, *key))  # NCCL works, or a host copy's CUDA event
+        if isinstance(ready, list):                              # (the stage waits on the event)
+            self._landed(ready, sender)
         return value, ready
 
     def send(self, source: int, destination: int, key, value: Value) -> None:
@@ -234,7 +228,7 @@ class ProcessTransport:
         kind, micro, chunk = key
         rank = self.placement[destination]
         if rank == self.ranks.rank:
-            self._arrived[(self.step, kind, micro, chunk)] = (value, None)
+            self._arrived[(self.step, kind, micro, chunk)] = (value, None, rank)
             return
         self._post(rank, kind, micro, chunk, value)
 
@@ -245,12 +239,22 @@ class ProcessTransport:
     def receive_control(self, kind: str, micro: int = 0):
         """The value of the current call's message of `kind` (numbered `micro`), once it has landed: an
         NCCL payload's transfer done, a host copy's event passed (a ping-pong times the whole trip)."""
-        value, ready = self._get((self.step, kind, micro, 0))
+        value, ready, sender = self._get((self.step, kind, micro, 0))
         if isinstance(ready, list):
-            until_completed(ready, self._check_receiving, every=POLL_SECONDS)
+            self._landed(ready, sender)
         elif ready is not None:
             ready.synchronize()
         return value
+
+    def _landed(self, works: list, sender: int) -> None:
+        """Return once the NCCL receives `works` from rank `sender` are done, looking for failures while
+        the host waits; StageFailed naming the sender if one ended in an error (a completed work may
+        have failed: wait() would not say so on the host)."""
+        until_completed(works, self._check_receiving, every=POLL_SECONDS)
+        for work in works:
+            if work.exception() is not None:
+                self._failure = self._lost(sender, work.exception())
+                raise self._failure
 
     def check(self) -> None:
         """Raise StageFailed if a connection was lost (failures elsewhere are seen while waiting)."""
@@ -367,7 +371,7 @@ class ProcessTransport:
             self._log.append((header.step, self.ranks.rank, arrival.peer, "receive", header.kind, header.micro,
                               header.payload_bytes, arrival.start, arrival.end))
         self._arrived[(header.step, header.kind, header.micro, header.chunk)] = \
-            (wire.rebuild_value(header.form, arrival.tensors), arrival.ready)
+            (wire.rebuild_value(header.form, arrival.tensors), arrival.ready, arrival.peer)
 
     def _post(self, destination: int, kind: str, micro: int, chunk: int, value) -> None:
         start = time.perf_counter()
