@@ -28,6 +28,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
@@ -321,6 +322,21 @@ def climbed(sizing) -> str:
             + ("met)" if met else "not met by the quick sizes; `lab.reproduce speedup --device cuda` grows it further)"))
 
 
+@contextmanager
+def ctrl_c_passed_on():
+    """Children started inside get Ctrl-C's default action even where this process ignores it, as a
+    shell's background job (`python -m lab.doctor --report &`) does: an ignored signal stays ignored
+    across exec, a handled one does not, so the doctor handles it while it starts them."""
+    ignored = signal.getsignal(signal.SIGINT) is signal.SIG_IGN and threading.current_thread() is threading.main_thread()
+    if ignored:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        if ignored:
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
 def bounded(args: list[str], seconds: float, env: Optional[dict] = None,
             grace: float = 0.0) -> tuple[Optional[int], str]:
     """Run `python args...` in the project for at most `seconds`, then stop it and everything it
@@ -328,7 +344,7 @@ def bounded(args: list[str], seconds: float, env: Optional[dict] = None,
     its output, stdout and stderr together. With `grace`, the last `grace` of those seconds begin
     with a Ctrl-C (SIGINT) to the command alone, so that it can write what it finished
     (lab.reproduce writes its finished rows)."""
-    with tempfile.TemporaryFile("w+") as log:
+    with tempfile.TemporaryFile("w+") as log, ctrl_c_passed_on():
         process = subprocess.Popen([sys.executable, *args], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, text=True,
                                    start_new_session=True,  # unbuffered: a stopped command's last lines are kept
                                    env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
