@@ -158,7 +158,8 @@ def main(argv=None) -> int:
                  devices=args.device, virtual_stages=virtual)
     optimizer = torch.optim.Adam(pipe.parameters(), lr=args.lr)
     stage = dist.get_rank(pipeline) if distributed else 0
-    first, last = stage == 0, stage == stages - 1 or not distributed
+    # the inputs go to the rank of the first chunk, the targets to the last one's (ZB-V's is stage 0)
+    first, last = (not distributed or pipe.placement[chunk] == stage for chunk in (0, -1))
     if rank == 0:
         print(f"# lab.train: char Transformer, {zoo.layer_count(args.blocks)} layers, width {args.width}, "
               f"batch {args.batch}, K={stages}, M={args.micro_batches}, {args.schedule}"

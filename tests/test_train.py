@@ -35,14 +35,17 @@ def test_threads_and_two_nodes_train_the_same_model():
 def test_two_pipelines_as_replicas_train_as_one_pipeline_does():
     """torchrun --nproc-per-node 4 -m lab.train --stages 2 --data-parallel 2: a 2 x 2 mesh. Each
     replica takes half of every batch in M micro-batches numbered globally; the losses follow one
-    pipeline of 2M micro-batches (the same dropout masks) up to float32 rounding."""
+    pipeline of 2M micro-batches (the same dropout masks) up to float32 rounding. The mesh runs ZB-V,
+    whose last chunk sits on the first stage's rank: that rank takes the inputs and the targets."""
     plain = subprocess.run([sys.executable, "-m", "lab.train", *ARGS, "--micro-batches", "16"], cwd=ROOT,
                            capture_output=True, text=True, timeout=120)
     mesh = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
-                           "-m", "lab.train", *ARGS, "--stages", "2", "--data-parallel", "2", "--micro-batches", "8"], cwd=ROOT,
+                           "-m", "lab.train", *ARGS, "--stages", "2", "--data-parallel", "2", "--micro-batches", "8",
+                           "--schedule", "zb-v"], cwd=ROOT,
                           capture_output=True, text=True, timeout=150)
     assert mesh.returncode == 0, mesh.stderr[-3000:]
     assert "processes: 2 pipeline(s) of 2 ranks over torch.distributed (gloo)" in mesh.stdout
+    assert "zb-v (v=2)" in mesh.stdout
     assert losses(mesh.stdout) == pytest.approx(losses(plain.stdout), rel=1e-4)
     assert re.search(r"each stage all-reduced [\d.]+ kB, [\d.]+ kB of gradients with its 1 replica", mesh.stdout)
 
