@@ -510,6 +510,8 @@ def main(config: Optional[RunConfig], chart) -> None:
         st.error(f"A stage process stopped: {error}. The next run starts new stage processes.")
     except (RuntimeError, MemoryError) as error:
         st.error(f"The run failed: {error}. Try a smaller model, batch or K.")
+    except ValueError as error:  # what the host refuses (lab.config.check said the rest before the run)
+        st.error(f"This host cannot run it: {error}")
 
 
 opening = open_page()

@@ -9,10 +9,12 @@ import lab.config
 import lab.experiments
 from test_app import app, shipped_app  # noqa: F401  (the fixtures: a fresh server, three measured rounds)
 
+COMPUTE_MODE_RULE = lab.config._gpu_stage_processes_refused  # faked away by two_gpus, put back where tested
+
 
 @pytest.fixture
 def two_gpus(monkeypatch):
-    """A host with two GPUs as the page sees it; every run computes on the CPU."""
+    """A host with two GPUs in Default compute mode as the page sees it; every run computes on the CPU."""
     real = lab.experiments.run
 
     def on_the_cpu(config, **options):
@@ -21,6 +23,7 @@ def two_gpus(monkeypatch):
         return record
     monkeypatch.setattr(lab.config, "visible_gpus", lambda: 2)
     monkeypatch.setattr(lab.config, "_cuda_available", lambda: True)
+    monkeypatch.setattr(lab.config, "_gpu_stage_processes_refused", lambda stages: None)
     monkeypatch.setattr(lab.experiments, "run", on_the_cpu)
     alone = lab.breakdown.alone_events  # the serial step behind "where the time went" computes on the CPU too
     monkeypatch.setattr(lab.breakdown, "alone_events",
@@ -41,3 +44,21 @@ def test_stages_on_gpus_are_measured_as_processes_too_and_k1_runs_on_one_gpu(app
     assert not app.exception and not app.error
     compared = app.dataframe[0].value
     assert list(compared["stages run as"]) == ["threads", "processes"] and (compared["step (ms)"] > 0).all()
+
+
+def test_on_exclusive_gpus_stages_as_processes_are_not_offered_and_say_why(app, two_gpus, monkeypatch):  # noqa: F811
+    """EXCLUSIVE_PROCESS GPUs serve one process each: once this server holds a CUDA context (its
+    threads ran there), a stage process cannot meet it on its GPU. The button is not offered; the
+    caption names the mode (the pool's refusal used to reach the page as a traceback)."""
+    import lab.host
+    import torch
+    monkeypatch.setattr(lab.config, "_gpu_stage_processes_refused", COMPUTE_MODE_RULE)
+    monkeypatch.setattr(lab.host, "exclusive_gpus", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    app.run()
+    app.selectbox(key="model").set_value("mlp").run()
+    app.radio(key="device").set_value("cuda").run()
+    assert not app.exception and not app.error
+    assert not [b for b in app.button if b.key == "other_transport"]
+    assert any("not offered" in c.value and "EXCLUSIVE_PROCESS" in c.value for c in app.caption)
