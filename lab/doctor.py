@@ -534,7 +534,8 @@ class Outcome:
 def report_parts(folder: Path) -> list[Part]:
     """The report's commands after the doctor's rows, each with its share of the time they leave."""
     reproduce = ["-m", "lab.reproduce", "--device", "cuda", "--quick", "--out", str(folder)]
-    return [Part("tests/test_cuda.py", ["-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_cuda.py"], 150),
+    return [Part("tests/test_cuda.py", ["-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "0",  # one process:
+                                        "tests/test_cuda.py"], 150),  # a worker per core would each hold a context
             Part("lab.reproduce speedup --device cuda --quick", [*reproduce[:2], "speedup", *reproduce[2:]], 150,
                  figures=folder / "speedup.md"),
             Part("lab.reproduce memory --device cuda --quick", [*reproduce[:2], "memory", *reproduce[2:]], 120,

@@ -24,6 +24,9 @@ SHARED_GPUS = pytest.mark.skipif(exclusive_gpus(), reason="EXCLUSIVE_PROCESS GPU
                                  "test's own CUDA context and its stage processes cannot share them (the doctor's "
                                  "rows run each in a process of its own)")
 KINDS = pytest.mark.parametrize("kind", ["cpu", pytest.param("cuda", marks=NO_GPU)])
+# on one pytest-xdist worker: each worker would hold CUDA contexts of its own, which EXCLUSIVE_PROCESS
+# GPUs refuse (and a host of many cores would start a worker per core for a few GPU tests)
+pytestmark = pytest.mark.xdist_group("gpus")
 LOSS = nn.functional.cross_entropy  # a function: stage processes import it by name (an nn.Module instance is refused)
 
 

@@ -65,8 +65,13 @@ def test_each_gpu_rows_body_runs_on_the_cpu(row):
     assert said and "cuda" not in said
 
 
+@pytest.mark.xdist_group("gpus")  # beside tests/test_cuda.py, never beside another worker's CUDA context
+@pytest.mark.timeout(900)  # the GPU rows, each in a process of its own, up to ROW_SECONDS each
 @pytest.mark.skipif(not doctor.torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_the_gpu_rows_pass():
+    if doctor.host.exclusive_gpus() and doctor.torch.cuda.is_initialized():
+        pytest.skip("EXCLUSIVE_PROCESS GPUs: this worker's own CUDA context (tests/test_cuda.py ran here) would "
+                    "refuse the rows' processes; `python -m lab.doctor` runs them")
     checks, _ = doctor.checklist(cli=False)  # each GPU row in a process of its own
     rows = doctor.run_checks(checks)
     assert all(row.passed for row in rows), [doctor.format_row(row) for row in rows if not row.passed]

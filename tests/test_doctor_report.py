@@ -43,7 +43,7 @@ def test_the_report_on_a_cpu_host_has_every_section_and_skips_the_gpu_parts(tmp_
                   "| trace order, CPU | pass |", "no GPU: the CUDA rows were not run", "everything passed"):
         assert words in text, words
     assert text.count("skipped: no CUDA GPU") == 2 * len(doctor.report_parts(tmp_path))  # table and section
-    assert "`python -m pytest -q -p no:cacheprovider tests/test_cuda.py`: skipped: no CUDA GPU" in text
+    assert "`python -m pytest -q -p no:cacheprovider -n 0 tests/test_cuda.py`: skipped: no CUDA GPU" in text
     assert f"report written to {out}" in capsys.readouterr().out
 
 
@@ -148,3 +148,15 @@ def test_the_nccl_row_stays_on_loopback_and_within_its_rows_time(monkeypatch):
     assert sum(timeout for timeout, _ in seen) <= doctor.ROW_SECONDS
     assert seen[1][1]["NCCL_SOCKET_IFNAME"] == seen[1][1]["GLOO_SOCKET_IFNAME"] == loopback_interface()
     assert "NCCL, 2 GPUs" in doctor.TWO_GPU_ROWS  # run by `isolated`, under the report's deadline
+
+
+def test_the_gpu_tests_run_in_one_process(tmp_path):
+    """A GPU in EXCLUSIVE_PROCESS mode serves one process: the report's pytest part runs
+    tests/test_cuda.py in one process (not a pytest-xdist worker per core, each holding contexts of
+    its own), and in the suite those tests and the doctor's GPU rows share one worker."""
+    import test_cuda
+    import test_doctor
+    [tests] = [part for part in doctor.report_parts(tmp_path) if part.title == "tests/test_cuda.py"]
+    assert tests.args[tests.args.index("-n") + 1] == "0"
+    assert test_cuda.pytestmark.name == "xdist_group" and test_cuda.pytestmark.args == ("gpus",)
+    assert [m.args for m in test_doctor.test_the_gpu_rows_pass.pytestmark if m.name == "xdist_group"] == [("gpus",)]
