@@ -216,6 +216,12 @@ def run(config: RunConfig, on_event: Optional[Callable] = None, replay: Union[bo
             measured.append((trace, loss, wall, single_pipe.step(inputs, targets, loss_fn)[1] if single_pipe else None))
     trace, loss, wall, _ = sorted(measured, key=lambda m: m[0].makespan)[len(measured) // 2]
     singles = sorted((m[3] for m in measured if m[3] is not None), key=lambda t: t.makespan)
+    if replayed:  # one model at a time (a GPU sized for one has no room for two): the serial run builds its own
+        del pipe, single_pipe, model
+        if config.device == "cuda":
+            if config.transport == "processes":
+                processes.free_gpus()
+            host.free_gpu_memory()
     solo = solo_run(config, balance) if replayed else None
     crossed, how = _boundary_traffic(config, trace, per_sample, balance)
     return RunRecord(

@@ -3,6 +3,7 @@ and the device the notebooks run on."""
 from __future__ import annotations
 
 import ctypes
+import gc
 import os
 import platform
 import subprocess
@@ -59,6 +60,15 @@ def stage_processes_refused(stages: int, gpus: int, parent_holds_context: bool, 
     return (f"the GPUs are in EXCLUSIVE_PROCESS compute mode (nvidia-smi), where a GPU serves one process at a "
             f"time: {clash}. Run the stages as threads (transport \"threads\"), or set the mode to Default "
             f"(sudo nvidia-smi -c DEFAULT)")
+
+
+def free_gpu_memory() -> None:
+    """Give back what this process's CUDA allocator keeps cached (after the garbage that still holds
+    a model or a failed step's tensors is gone), so that the next run, or a stage process, finds the
+    GPU free."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 def describe() -> dict:

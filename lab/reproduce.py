@@ -379,7 +379,8 @@ DETAILS = {
 
 
 def run_command(name: str, args, rows_of: Callable, out: Path) -> list[dict]:
-    """Run one command with a progress bar; on Ctrl-C keep what finished. Write and print the table."""
+    """Run one command with a progress bar; on Ctrl-C or an error keep what finished (and raise it
+    again once written). Write and print the table."""
     lines = header(args, name, DETAILS[name])
     if name == "memory":
         base, budget, _ = memory_config(args)
@@ -418,7 +419,7 @@ def run_command(name: str, args, rows_of: Callable, out: Path) -> list[dict]:
                      f"M in {micros}, {rounds} interleaved round(s) of one step each after a warm-up, "
                      f"speedup = median per-round ratio to one core, checkpoint never; torchgpipe "
                      f"{'installed' if peers.torchgpipe_available() else 'not installed'}")
-    rows, interrupted = [], False
+    rows, stopped = [], None
     with tqdm(desc=name, unit="run", leave=False, file=sys.stderr) as bar:
         def progress(label: str) -> None:
             bar.set_postfix_str(label)
@@ -426,9 +427,14 @@ def run_command(name: str, args, rows_of: Callable, out: Path) -> list[dict]:
         try:
             for row in rows_of(args, progress):
                 rows.append(row)
-        except KeyboardInterrupt:
-            interrupted = True
+        except KeyboardInterrupt as error:
+            stopped = error
             lines.append("# interrupted: the rows below are those finished before Ctrl-C")
+        except Exception as error:  # an out-of-memory cell, say: the rows finished before it are kept
+            stopped = error
+            said = (str(error).strip().splitlines() or [""])[0][:300]
+            lines.append(f"# stopped by an error ({type(error).__name__}: {said}): the rows below are those "
+                         f"finished before it")
     out.mkdir(parents=True, exist_ok=True)
     table = markdown(wide(rows) if name == "breakdown" else rows)
     (out / f"{name}.md").write_text("\n".join(lines) + "\n\n" + table + "\n")
@@ -444,8 +450,8 @@ def run_command(name: str, args, rows_of: Callable, out: Path) -> list[dict]:
                          f"# the cells against the unit-cost model: {theory.why_cells_exceed()}"]))
     print("\n".join(lines))
     print(table)
-    if interrupted:
-        raise KeyboardInterrupt
+    if stopped is not None:
+        raise stopped
     return rows
 
 

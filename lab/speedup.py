@@ -215,7 +215,7 @@ def sized_for_gpu(start: RunConfig, quick: bool = False, stages: int = 8, micro:
             tried.append((width, batch, "out of memory"))
             break
         finally:
-            free_gpu_memory()
+            host.free_gpu_memory()
         chosen, ratios = candidate, found
         tried.append((width, batch, found))
         if min(found) >= GPU_TARGET:
@@ -229,17 +229,6 @@ def out_of_memory(error: BaseException) -> bool:
     import torch
     text = str(error)
     return isinstance(error, torch.cuda.OutOfMemoryError) or "out of memory" in text or "ALLOC_FAILED" in text
-
-
-def free_gpu_memory() -> None:
-    """Give back what this process's CUDA allocator keeps cached (after the garbage that still holds
-    a failed step's tensors is gone), so that the next run, or a stage process, finds the GPU free."""
-    import gc
-
-    import torch
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
 
 
 @dataclass(frozen=True)
@@ -318,7 +307,7 @@ def measure_table(base: RunConfig, stages: Iterable[int] = (1, 2, 4, 8), micro: 
                 continue
             if base.device == "cuda":  # every run finds the GPUs as free as the sizing found them
                 processes.free_gpus()
-                free_gpu_memory()
+                host.free_gpu_memory()
             if progress is not None:
                 progress(f"K={k}, M={m}")
             transport = base.transport if 1 < k <= parallel_devices(base) else "threads"
@@ -338,6 +327,7 @@ def measure_table(base: RunConfig, stages: Iterable[int] = (1, 2, 4, 8), micro: 
                 first = micro[0] if (micro[0], norm) in single else m
                 threads = None
                 if base.device == "cuda" and transport == "processes" and how == "measured":
+                    processes.free_gpus()  # the GPUs hold one model at a time: the pool's stages let go
                     beside = run(base.but(stages=k, micro_batches=m, transport="threads"))
                     threads = beside.samples_per_second / single[(m, "measured")]
                 yield Cell(k, m, rate, rate / single[(first, norm)], rate / single[(m, norm)], how, bubble, transport,

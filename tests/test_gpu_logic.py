@@ -507,3 +507,29 @@ def test_a_rank_checks_only_its_own_entry_of_a_device_list(monkeypatch):
     assert checked == [("cpu", 1)] and current == []
     with pytest.raises(ValueError, match="1 entries but there are 2 stages"):
         runner.rank_and_device(None, 2, ["cpu"], None)
+
+
+def test_a_cell_holds_one_model_at_a_time(monkeypatch):
+    """A GPU table's model is sized so that one fits: the serial run behind a cell's replay builds
+    its own model only once the measured one, its gradients and its pipe are gone."""
+    import gc
+    import weakref
+
+    from lab import experiments
+    from lab.config import RunConfig
+    built, alive = [], []
+    build, solo_run = experiments.build, experiments.solo_run
+
+    def tracked(config):
+        made = build(config)
+        built.append(weakref.ref(made[0]))
+        return made
+
+    def counted(config, balance):
+        gc.collect()
+        alive.append(sum(ref() is not None for ref in built))
+        return solo_run(config, balance)
+    monkeypatch.setattr(experiments, "build", tracked)
+    monkeypatch.setattr(experiments, "solo_run", counted)
+    experiments.run(RunConfig(model="mlp", blocks=2, width=16, batch=8, stages=2, micro_batches=2), replay="always")
+    assert alive == [0]

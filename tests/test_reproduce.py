@@ -163,21 +163,27 @@ def test_unknown_choices_are_one_line_too(argv, capsys):
     assert len(capsys.readouterr().err.strip().splitlines()) == 1
 
 
-def test_ctrl_c_keeps_finished_rows(tmp_path, monkeypatch, capsys):
+@pytest.mark.parametrize("stop", [KeyboardInterrupt(), RuntimeError("CUDA out of memory. Tried to allocate 2 GiB")])
+def test_ctrl_c_or_an_error_keeps_finished_rows(tmp_path, monkeypatch, capsys, stop):
+    """A third cell that is interrupted, or fails (a GPU out of memory): the two before it are written."""
     real = reproduce.speedup.measure_table
 
-    def interrupted(*args, **kwargs):
+    def stopped(*args, **kwargs):
         for count, cell in enumerate(real(*args, **kwargs)):
             if count == 2:
-                raise KeyboardInterrupt
+                raise stop
             yield cell
 
-    monkeypatch.setattr(reproduce.speedup, "measure_table", interrupted)
-    code = reproduce.main(["speedup", "--quick", "--stages", "1", "2", "--micro-batches", "1", "4",
-                           "--out", str(tmp_path)])
-    assert code == 130
+    monkeypatch.setattr(reproduce.speedup, "measure_table", stopped)
+    argv = ["speedup", "--quick", "--stages", "1", "2", "--micro-batches", "1", "4", "--out", str(tmp_path)]
+    if isinstance(stop, KeyboardInterrupt):
+        assert reproduce.main(argv) == 130
+        assert "# interrupted" in (tmp_path / "speedup.md").read_text()
+    else:
+        with pytest.raises(RuntimeError, match="out of memory"):
+            reproduce.main(argv)
+        assert "# stopped by an error (RuntimeError: CUDA out of memory" in (tmp_path / "speedup.md").read_text()
     assert len(read_csv(tmp_path / "speedup.csv")) == 2
-    assert "# interrupted" in (tmp_path / "speedup.md").read_text()
 
 
 def test_ctrl_c_while_sizing_for_the_gpu_is_said_in_one_line(monkeypatch, capsys):
