@@ -104,7 +104,7 @@ def test_a_peer_dying_while_the_pipe_is_built_ends_connect_with_the_edges_named(
     told in the store, with every edge's group aborted."""
     monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
     monkeypatch.setattr(torch, "zeros", lambda *shape, device=None: torch.empty(0))
-    monkeypatch.setattr(gloo_lane, "abort_group", lambda group: group.abort())
+    monkeypatch.setattr(gloo_lane, "abort_groups", lambda groups: [group.abort() for group in groups])
     edges = {("act", 0, 1): (_EdgeGroup(), 1), ("grad", 1, 0): (_EdgeGroup(), 1)}
     store = dist.HashStore()
     if told:
@@ -124,6 +124,7 @@ def test_a_peer_dying_while_the_pipe_is_built_ends_connect_with_the_edges_named(
 
 def test_a_lost_neighbour_ends_the_wait_for_an_nccl_receive():
     transport = ProcessTransport.__new__(ProcessTransport)
+    transport.also_abort = []
     transport.ranks, transport.step, transport._failure = Ranks(0, 2), 3, None
     transport.lane = _lane_with_nccl_sends_in_flight()
     transport.shared = dist.HashStore()
@@ -294,6 +295,7 @@ def test_a_failed_nccl_receive_is_raised_naming_its_sender():
         def exception(self):
             return RuntimeError("NCCL error: remote process exited")
     transport = ProcessTransport.__new__(ProcessTransport)
+    transport.also_abort = []
     transport.ranks, transport.step, transport._failure = Ranks(1, 3), 0, None
     transport.lane, transport.shared = _lane_with_nccl_sends_in_flight(), dist.HashStore()
     transport._arrived = {(0, "grad", 4, 1): ("value", [Failed()], 2)}
@@ -311,6 +313,7 @@ def test_a_payload_copied_to_a_gpu_from_the_host_lane_is_handed_over_with_its_ev
     class Event:   # what to_gpu returns beside the tensors: neither a list nor iterable
         pass
     transport = ProcessTransport.__new__(ProcessTransport)
+    transport.also_abort = []
     transport.ranks, transport.step, transport._failure = Ranks(1, 2), 0, None
     transport.lane, transport.shared = _lane_with_nccl_sends_in_flight(), dist.HashStore()
     ready = Event()
@@ -417,6 +420,7 @@ def test_a_ping_pong_reads_a_reply_once_its_nccl_transfer_is_done():
     """On NCCL edges a message's header arrives before its payload: a ping-pong (pool.ping) that read
     the reply at its header timed the header's trip, not the transfer's."""
     transport = ProcessTransport.__new__(ProcessTransport)
+    transport.also_abort = []
     transport.step, transport._check_receiving = 0, lambda: None
 
     class Transfer:
@@ -533,3 +537,29 @@ def test_a_cell_holds_one_model_at_a_time(monkeypatch):
     monkeypatch.setattr(experiments, "solo_run", counted)
     experiments.run(RunConfig(model="mlp", blocks=2, width=16, batch=8, stages=2, micro_batches=2), replay="always")
     assert alive == [0]
+
+
+def test_nccl_groups_are_aborted_together_in_one_nccl_group_call():
+    """As torch aborts its whole world (pytorch#119797): every NCCL communicator of the rank aborted
+    between one group start and end, since one abort may wait for the GPU, where another
+    communicator's kernel still waits for a peer."""
+    calls = []
+
+    class ProcessGroupNCCL:  # what a group's CUDA backend is where NCCL runs it (faked: named as torch's)
+        def _group_start(self):
+            calls.append("start")
+
+        def _group_end(self):
+            calls.append("end")
+
+    class Group:
+        def __init__(self, name):
+            self.name = name
+
+        def _get_backend(self, device):
+            return ProcessGroupNCCL()
+
+        def abort(self):
+            calls.append(self.name)
+    gloo_lane.abort_groups([Group("act edge"), Group("grad edge"), Group("data parallel")])
+    assert calls == ["start", "act edge", "grad edge", "data parallel", "end"]

@@ -137,18 +137,22 @@ def test_data_parallel_needs_stages_as_processes():
         GPipe(mlp(), 2, data_parallel=object())
 
 
-def test_a_failed_call_aborts_an_nccl_data_parallel_group_once_and_refuses_the_next_call(monkeypatch):
+def test_a_failed_call_aborts_an_nccl_data_parallel_group_with_the_lanes_once_and_refuses_the_next_call(monkeypatch):
     """What a GPU host does after a failed step (NCCL is faked here: gloo needs no abort): the group's
-    sums in flight are aborted, so no kernel waits for a replica that stopped, and no call follows."""
+    sums in flight are aborted in one NCCL call with the lane's edges (one communicator's abort may
+    wait for the GPU, where another's kernel waits for a peer), so no kernel waits for a replica that
+    stopped, and no call follows."""
+    from engine.distributed import gloo_lane
     aborted = []
-    monkeypatch.setattr(replicas, "nccl_in", lambda group: group == "dp over NCCL")
-    monkeypatch.setattr(replicas, "abort_group", aborted.append)
-    for group in ("dp over NCCL", "dp over gloo"):
-        stage = object.__new__(replicas.Replicas)
-        stage.group, stage.broken = group, False
+    monkeypatch.setattr(gloo_lane, "abort_groups", aborted.append)
+    lane = object.__new__(gloo_lane.GlooLane)
+    lane.tensor_groups, lane._abandoned, lane._wake_sender = {("act", 0, 1): ("edge", 1)}, False, lambda: None
+    stage = object.__new__(replicas.Replicas)
+    stage.group, stage.broken = "dp over NCCL", False
+    stage.require_whole()
+    stage.abandon()
+    for _ in range(2):  # the runner, then the failure told to the other ranks
+        lane.abandon(["dp over NCCL"])
+    with pytest.raises(StageFailed, match="data-parallel group is abandoned"):
         stage.require_whole()
-        stage.abandon()
-        stage.abandon()
-        with pytest.raises(StageFailed, match="data-parallel group is abandoned"):
-            stage.require_whole()
-    assert aborted == ["dp over NCCL"]
+    assert aborted == [["edge", "dp over NCCL"]]

@@ -100,14 +100,15 @@ class GlooLane:
                               f"so this pipe cannot run another call; close it and make a new one")
         self._wake_sender()
 
-    def abandon(self) -> None:
-        """The call failed somewhere: abort NCCL's groups, so nothing waits for transfers a failed peer
-        will never match (gloo's waits end when a peer's connection closes)."""
-        if self._abandoned or not self.tensor_groups:
+    def abandon(self, also: list = ()) -> None:
+        """The call failed somewhere: abort NCCL's groups, the edges' and `also` (this rank's other NCCL
+        groups) in one call, so nothing waits for transfers a failed peer will never match (gloo's
+        waits end when a peer's connection closes)."""
+        groups = [group for group, _ in self.tensor_groups.values()] + list(also)
+        if self._abandoned or not groups:
             return
         self._abandoned = True
-        for group, _ in self.tensor_groups.values():
-            abort_group(group)
+        abort_groups(groups)
         self._wake_sender()
 
     def post(self, destination: int, step: int, kind: str, micro: int, chunk: int, decision, value) -> None:
@@ -297,16 +298,35 @@ class _Abandoned(Exception):
     """The lane gave up its NCCL transfers (a call failed): the sender thread stops waiting."""
 
 
-def abort_group(group) -> None:
-    """Abort a process group's pending work now (NCCL's abort: kernels waiting for a peer end)."""
+def abort_groups(groups: list) -> None:
+    """Abort process groups' pending work now (NCCL's abort: kernels waiting for a peer end), all in
+    one NCCL group call, as torch aborts its whole world (pytorch#119797): one communicator's abort
+    may wait for the GPU, where another's kernel still waits for a peer."""
+    nccl = next((backend for backend in map(_nccl_backend, groups) if backend is not None), None)
+    if nccl is not None:
+        nccl._group_start()
     try:
-        dist.distributed_c10d._abort_process_group(group)
+        for group in groups:
+            try:
+                dist.distributed_c10d._abort_process_group(group)
+            except Exception:
+                try:
+                    group.abort()
+                    dist.destroy_process_group(group)
+                except Exception:  # already gone
+                    pass
+    finally:
+        if nccl is not None:
+            nccl._group_end()
+
+
+def _nccl_backend(group):
+    """The group's NCCL backend, or None (gloo, or no CUDA backend)."""
+    try:
+        backend = group._get_backend(torch.device("cuda"))
     except Exception:
-        try:
-            group.abort()
-            dist.destroy_process_group(group)
-        except Exception:  # already gone
-            pass
+        return None
+    return backend if type(backend).__name__ == "ProcessGroupNCCL" else None
 
 
 def own_group(pipelines: list, members: list[int], **options):
@@ -340,8 +360,7 @@ def connect(edges: dict, rank: int, device: torch.device, check=lambda: None,
             probes.append((edge, (group.send if edge[1] == rank else group.recv)([probe], peer, 0)))
 
     def abort() -> None:
-        for group, _ in edges.values():
-            abort_group(group)
+        abort_groups([group for group, _ in edges.values()])
 
     def give_up(why: str) -> StageFailed:
         abort()

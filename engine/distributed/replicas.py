@@ -17,8 +17,6 @@ import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from ..transport import StageFailed
-from .gloo_lane import abort_group
-from .transport import nccl_in
 from .works import until_completed
 
 BUCKET_BYTES = 25 * 2 ** 20   # as DistributedDataParallel: large enough to amortize a call, small enough to overlap
@@ -72,11 +70,10 @@ class Replicas:
                              f"{stages} (global rank: stage): check the order of the mesh's dimensions, ('dp', 'pp')")
 
     def abandon(self) -> None:
-        """A call failed: the sums in flight will not complete (a replica stopped, or stops now). Abort
-        them where NCCL runs them (kernels waiting for a peer would hold the GPU, and the next pipe's
-        synchronize, forever); with gloo a stale sum could meet the next call's. No call follows."""
-        if not self.broken and nccl_in(self.group):
-            abort_group(self.group)
+        """A call failed: the sums in flight will not complete (a replica stopped, or stops now). Where
+        NCCL runs them the transport aborts them with its own NCCL groups (`ProcessTransport.also_abort`:
+        kernels waiting for a peer would hold the GPU, and the next pipe's synchronize, forever); with
+        gloo a stale sum could meet the next call's. No call follows."""
         self.broken = True
 
     def require_whole(self) -> None:

@@ -23,7 +23,7 @@ from ..runner import EventCallback, events_of, live, name_place, run_tasks
 from ..stages import LocalStages
 from ..trace import Event, Message, Reduction, StageMemory, Trace
 from .replicas import Pending, Replicas
-from .transport import ProcessTransport, Ranks, StageFailed, check_group
+from .transport import ProcessTransport, Ranks, StageFailed, check_group, nccl_in
 from .wire import Malformed, pack_table, unpack_table
 
 
@@ -67,6 +67,8 @@ class RankRunner:
             raise
         if self.replicas is not None:  # name the pipeline in failures: "replica 1, rank 3, stage 1"
             self.prefix = f"replica {self.replicas.index}, rank {dist.get_rank()}, "
+            if nccl_in(data_parallel):
+                self.transport.also_abort.append(data_parallel)
 
     @contextmanager
     def calling(self):
@@ -80,6 +82,7 @@ class RankRunner:
         except BaseException as error:
             if self.replicas is not None:  # its sums in flight will never match now
                 self.replicas.abandon()
+                self.transport.lane.abandon(self.transport.also_abort)
             if not isinstance(error, StageFailed):
                 if not str(error.args[0] if error.args else "").startswith(f"[{self.prefix}"):
                     name_place(error, self.ranks.rank, None, prefix=self.prefix)

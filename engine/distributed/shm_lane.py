@@ -158,8 +158,9 @@ class ShmLane:
     error = None  # no waits on works here: a lost peer shows in `receive` itself
 
     @staticmethod
-    def abandon() -> None:
-        """A call failed: nothing to abort (no transfer here waits for a peer outside `receive`)."""
+    def abandon(also: list = ()) -> None:
+        """A call failed: nothing to abort (no transfer here waits for a peer outside `receive`; stages
+        on CPUs have no NCCL group, `also`, to abort)."""
 
     def __init__(self, rank: int, peers: list[int], store, prefix: str, on_stall: Callable[[], None],
                  spin: float = 0.0):

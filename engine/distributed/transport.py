@@ -49,7 +49,8 @@ class Lane(Protocol):
     def begin(self) -> None: ...                # a new call starts
     def post(self, destination: int, step: int, kind: str, micro: int, chunk: int, decision, value) -> None: ...
     def receive(self, timeout: float) -> list: ...  # what arrived (wire.Arrival), [] after `timeout` seconds
-    def abandon(self) -> None: ...              # the call failed: let go of transfers a failed peer will not match
+    def abandon(self, also: list) -> None: ...  # the call failed: let go of transfers a failed peer will not
+                                                # match (abort its NCCL groups, with `also`, in one call)
     def close(self, step: int) -> None: ...     # end threads, files and groups (every rank calls it)
     # clock_offset(remote ranks) -> seconds: only lanes that may reach other hosts (gloo)
 
@@ -177,6 +178,7 @@ class ProcessTransport:
         self._log: list[tuple] = []                   # (step, *fields of a trace.Message), perf_counter times
         self._traffic: collections.Counter = collections.Counter()  # (step, "sent" | "received", peer) -> messages
         self._closed = False
+        self.also_abort: list = []  # this rank's other NCCL groups (its replicas' sums): aborted with the lane's
 
     def _open_lane(self, world: "World", members: list[int], peers: list[int]) -> Lane:
         """Shared memory for one host of CPUs (unless GPIPE_LANE says gloo), else gloo (and NCCL).
@@ -270,7 +272,7 @@ class ProcessTransport:
 
     def report_failure(self, description: str) -> None:
         """Tell every rank, in a note of plain text, that the current call failed here (the first note stays)."""
-        self.lane.abandon()
+        self.lane.abandon(self.also_abort)
         try:
             self.shared.compare_set(f"failed/{self.step}", "", description[:NOTE_CHARS])
         except Exception:  # the store is gone too: every rank will notice that by itself
@@ -281,10 +283,10 @@ class ProcessTransport:
         try:
             self._told("broken", f"failed/{self.step}")
         except StageFailed:
-            self.lane.abandon()
+            self.lane.abandon(self.also_abort)
             raise
         except Exception as error:
-            self.lane.abandon()
+            self.lane.abandon(self.also_abort)
             raise StageFailed(f"rank {self.ranks.rank} lost the pipeline's store, the side channel every rank "
                               f"shares (it lives with the launcher or the process that made it): {error}") from None
 
@@ -303,7 +305,7 @@ class ProcessTransport:
 
     def _lost(self, peer: int, error: BaseException) -> StageFailed:
         """The connection to `peer` broke: give up and tell the store, unless a reported failure explains it."""
-        self.lane.abandon()
+        self.lane.abandon(self.also_abort)
         try:
             self.check_failures()
         except StageFailed as reported:
