@@ -516,6 +516,7 @@ class Part:
     share: float
     env: dict = field(default_factory=dict)
     figures: Optional[Path] = None
+    refused: Optional[str] = None  # why this host cannot run it (it is skipped, saying so)
 
 
 @dataclass(frozen=True)
@@ -543,7 +544,8 @@ def report_parts(folder: Path) -> list[Part]:
             Part("lab.train --device cuda, 2 ranks (torchrun, loopback)",
                  ["-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2", "--rdzv-backend", "c10d",
                   "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "-m", "lab.train", "--steps", "20", "--log-every",
-                  "5", "--device", "cuda"], 90, env=NCCL_ON_LOOPBACK)]
+                  "5", "--device", "cuda"], 90, env=NCCL_ON_LOOPBACK,
+                 refused=host.stage_processes_refused(2, torch.cuda.device_count(), False, host.exclusive_gpus()))]
 
 
 def part_limit(part: Part, later: list[Part], deadline: float) -> float:
@@ -559,6 +561,8 @@ def run_part(part: Part, deadline: float, gpus: int, later: tuple = (), tail_lin
     (time.monotonic(); `later`: the parts still to run); skipped without a GPU or without time left."""
     if gpus == 0:
         return Outcome(part, "skipped: no CUDA GPU", True)
+    if part.refused:
+        return Outcome(part, f"skipped: {part.refused}", True)
     limit = part_limit(part, list(later), deadline)
     if limit < MIN_PART_SECONDS:
         return Outcome(part, f"skipped: the report's {REPORT_SECONDS} s were spent", False)

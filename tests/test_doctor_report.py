@@ -160,3 +160,13 @@ def test_the_gpu_tests_run_in_one_process(tmp_path):
     assert tests.args[tests.args.index("-n") + 1] == "0"
     assert test_cuda.pytestmark.name == "xdist_group" and test_cuda.pytestmark.args == ("gpus",)
     assert [m.args for m in test_doctor.test_the_gpu_rows_pass.pytestmark if m.name == "xdist_group"] == [("gpus",)]
+
+
+def test_a_part_this_hosts_gpus_refuse_is_skipped_saying_why(tmp_path, monkeypatch):
+    """One GPU in EXCLUSIVE_PROCESS mode serves one process: the 2-rank lab.train part cannot run
+    there (lab.train refuses it), so the report skips it with that reason instead of failing."""
+    monkeypatch.setattr(doctor.host, "exclusive_gpus", lambda: True)
+    monkeypatch.setattr(doctor.torch.cuda, "device_count", lambda: 1)
+    [train] = [part for part in doctor.report_parts(tmp_path) if part.title.startswith("lab.train")]
+    done = doctor.run_part(train, doctor.time.monotonic() + 60, 1)
+    assert done.passed and done.status.startswith("skipped: the GPUs are in EXCLUSIVE_PROCESS compute mode")
