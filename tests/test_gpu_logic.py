@@ -563,3 +563,35 @@ def test_nccl_groups_are_aborted_together_in_one_nccl_group_call():
             calls.append(self.name)
     gloo_lane.abort_groups([Group("act edge"), Group("grad edge"), Group("data parallel")])
     assert calls == ["start", "act edge", "grad edge", "data parallel", "end"]
+
+
+def test_an_nccl_payload_is_received_as_soon_as_its_header_lands(monkeypatch):
+    """The listener posts a message's NCCL receives when its gloo header lands, not when the stage
+    next reads: the sender's NCCL send is matched at once (held until the stage read, it could wait
+    behind kernels of the other direction's communicator). The stage then gets those receives."""
+    from types import SimpleNamespace
+
+    from engine.distributed import wire
+    posted = []
+
+    class Edge(_NcclGroup):
+        def recv(self, tensors, peer, tag):
+            posted.append((tuple(tensors[0].shape), peer))
+            return _NeverCompletes()
+    monkeypatch.setattr(torch.cuda, "Stream", lambda device: "stream")
+    monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
+    lane = GlooLane.__new__(GlooLane)
+    lane.rank, lane.device, lane._receive_streams = 1, torch.device("cpu"), {}
+    lane.tensor_groups, lane._events = {("act", 0, 1): (Edge(), 0), ("grad", 1, 0): (Edge(), 1)}, queue.SimpleQueue()
+    frame, _ = wire.encode(3, "act", 5, 1, wire.NO_DECISION, torch.ones(4, 6), inline=False)
+    reposted = []
+    link = SimpleNamespace(peer=0, views=[frame.numpy()], repost=reposted.append)
+    early = lane._post_nccl_receives(link, 0)
+    assert posted == [((4, 6), 0)], "posted by the listener, on the edge the header came from"
+    lane._events.put((link, 0, early))
+    [arrival] = lane.receive(0.1)
+    assert posted == [((4, 6), 0)] and reposted == [0], "the stage reads them; nothing posted twice"
+    assert arrival.header.micro == 5 and arrival.tensors[0].shape == (4, 6) and len(arrival.ready) == 1
+    inline, _ = wire.encode(3, "act", 6, 1, wire.NO_DECISION, torch.ones(2))
+    assert lane._post_nccl_receives(SimpleNamespace(peer=0, views=[inline.numpy()]), 0) is None  # in its frame
+    assert lane._post_nccl_receives(SimpleNamespace(peer=2, views=[frame.numpy()]), 0) is None   # no edge from 2

@@ -122,7 +122,7 @@ def test_a_garbled_gloo_frame_names_its_sender_and_its_receive_is_posted_again()
     lane = GlooLane.__new__(GlooLane)  # only its queue of arrived frames: no group needed to read one
     lane._events, reposted = queue.SimpleQueue(), []
     link = SimpleNamespace(peer=2, views=[np.full(64, 7, dtype=np.uint8)], repost=reposted.append)
-    lane._events.put((link, 0))
+    lane._events.put((link, 0, None))
     with pytest.raises(wire.Malformed, match="^a message from rank 2 over gloo cannot be read: a header of"):
         lane.receive(0.1)
     assert reposted == [0], "the next frame still has a receive posted for it"

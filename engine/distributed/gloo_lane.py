@@ -131,13 +131,18 @@ class GlooLane:
         """The next message, read on the stage thread; [] after `timeout` seconds. Lost if a connection
         broke, Malformed (naming the sender) for a frame `wire.encode` did not write."""
         try:
-            link, slot, *peer = self._events.get(timeout=timeout)
+            link, slot, posted = self._events.get(timeout=timeout)
         except queue.Empty:
             return []
-        if link is None:  # a listener or the sender lost its connection: `slot` is the error
-            raise Lost(peer[0], slot)
+        if link is None:  # a listener or the sender lost its connection: `slot` is the error, `posted` the peer
+            raise Lost(posted, slot)
+        if isinstance(posted, Exception) and not isinstance(posted, wire.Malformed):
+            link.repost(slot)  # posting its NCCL receives failed (the groups were aborted)
+            raise Lost(link.peer, posted)
         start = time.perf_counter()
         try:
+            if isinstance(posted, Exception):
+                raise posted
             header = wire.decode_header(link.views[slot])
             tensors = wire.tensors_in(link.views[slot], header.size, header) if header.inline else None
         except wire.Malformed as error:
@@ -146,25 +151,39 @@ class GlooLane:
             link.repost(slot)
         home = lands_on(header.kind, self.device)
         ready = None
-        if tensors is None:
+        if posted is not None:  # its NCCL receives, posted by the listener when the header landed
+            tensors, ready = posted
+        elif tensors is None:
             tensors, ready = self._payload(link.peer, header, home)
         elif home.type == "cuda":
             tensors, ready = to_gpu(tensors, home)
         return [Arrival(link.peer, header, tensors, ready, start, time.perf_counter())]
 
+    def _post_nccl_receives(self, link: _Link, slot: int) -> Optional[tuple[list, list]]:
+        """On the listener thread, as a header lands: if its payload follows over an NCCL edge, post
+        the receives now (tensors of the announced shapes, and the works), so that the sender's NCCL
+        send is matched at once rather than when the stage next reads (a send held until then could
+        wait behind kernels of the other direction's communicator); else None."""
+        edges = [kind for kind, source, destination in self.tensor_groups
+                 if (source, destination) == (link.peer, self.rank)]
+        if not edges or struct.unpack_from("<q", link.views[slot], 16)[0] not in map(wire.KINDS.index, edges):
+            return None
+        header = wire.decode_header(link.views[slot])
+        if header.inline:
+            return None
+        group, local_peer = edge = self.tensor_groups[(header.kind, link.peer, self.rank)]
+        home = lands_on(header.kind, self.device)
+        stream = self._receive_streams.get(edge)
+        if stream is None:
+            stream = self._receive_streams[edge] = torch.cuda.Stream(home)
+        with torch.cuda.stream(stream):  # waits for nothing the stage queued; the stage waits for it
+            tensors = wire.empty_tensors(header, home)
+            works = [group.recv([t], local_peer, 0) for t in tensors if t is not None]
+        return wire.marked(tensors, header), works
+
     def _payload(self, peer: int, header: wire.Header, home: torch.device) -> tuple[list, Optional[list]]:
-        """Tensors that follow their frame, received into tensors of the announced shapes, and the NCCL
-        works to wait for (None when here): NCCL receives are only posted, the task that needs them waits."""
-        edge = self.tensor_groups.get((header.kind, peer, self.rank))
-        if edge is not None:
-            group, local_peer = edge
-            stream = self._receive_streams.get(edge)
-            if stream is None:
-                stream = self._receive_streams[edge] = torch.cuda.Stream(home)
-            with torch.cuda.stream(stream):  # waits for nothing the stage queued; the stage waits for it
-                tensors = wire.empty_tensors(header, home)
-                works = [group.recv([t], local_peer, 0) for t in tensors if t is not None]
-            return wire.marked(tensors, header), works
+        """Tensors that follow their frame over gloo, received into tensors of the announced shapes
+        (copied to the stage's GPU, with the event to wait for, where it has one)."""
         tensors = wire.empty_tensors(header, torch.device("cpu"))
         try:
             for t in tensors:
@@ -219,7 +238,11 @@ class GlooLane:
             if self._closed:  # nobody reads any more: keep the slot posted for the goodbyes
                 link.repost(slot)
                 continue
-            self._events.put((link, slot))
+            try:
+                posted = self._post_nccl_receives(link, slot)
+            except Exception as error:  # a malformed header, or an aborted group: the stage thread raises it
+                posted = error
+            self._events.put((link, slot, posted))
 
     def _fail(self, peer: int, error: BaseException) -> None:
         """A listener or the sender lost `peer`: tell the stage thread (an event; `error` for NCCL polls)."""
