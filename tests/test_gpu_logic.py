@@ -576,7 +576,7 @@ def test_an_nccl_payload_is_received_as_soon_as_its_header_lands(monkeypatch):
 
     class Edge(_NcclGroup):
         def recv(self, tensors, peer, tag):
-            posted.append((tuple(tensors[0].shape), peer))
+            posted.append((tensors[0].numel(), peer))  # bytes
             return _NeverCompletes()
     monkeypatch.setattr(torch.cuda, "Stream", lambda device: "stream")
     monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
@@ -587,11 +587,47 @@ def test_an_nccl_payload_is_received_as_soon_as_its_header_lands(monkeypatch):
     reposted = []
     link = SimpleNamespace(peer=0, views=[frame.numpy()], repost=reposted.append)
     early = lane._post_nccl_receives(link, 0)
-    assert posted == [((4, 6), 0)], "posted by the listener, on the edge the header came from"
+    assert posted == [(4 * 6 * 4, 0)], "posted by the listener, on the edge the header came from"
     lane._events.put((link, 0, early))
     [arrival] = lane.receive(0.1)
-    assert posted == [((4, 6), 0)] and reposted == [0], "the stage reads them; nothing posted twice"
+    assert posted == [(4 * 6 * 4, 0)] and reposted == [0], "the stage reads them; nothing posted twice"
     assert arrival.header.micro == 5 and arrival.tensors[0].shape == (4, 6) and len(arrival.ready) == 1
     inline, _ = wire.encode(3, "act", 6, 1, wire.NO_DECISION, torch.ones(2))
     assert lane._post_nccl_receives(SimpleNamespace(peer=0, views=[inline.numpy()]), 0) is None  # in its frame
     assert lane._post_nccl_receives(SimpleNamespace(peer=2, views=[frame.numpy()]), 0) is None   # no edge from 2
+
+
+@pytest.mark.parametrize("dtype", [torch.int16, torch.complex64, torch.bool, torch.bfloat16])
+def test_an_nccl_edge_carries_any_dtype_as_bytes(monkeypatch, dtype):
+    """NCCL has no int16, complex or bool type: an edge sends and receives a tensor's bytes, and the
+    receiver's tensor of the announced dtype holds the sender's values."""
+    from types import SimpleNamespace
+
+    from engine.distributed import wire
+    wires = []
+
+    class Edge(_NcclGroup):
+        def send(self, tensors, peer, tag):
+            wires.append(tensors[0].clone())
+            return _NeverCompletes()
+
+        def recv(self, tensors, peer, tag):
+            assert tensors[0].dtype == torch.uint8
+            tensors[0].copy_(wires.pop())
+            return _NeverCompletes()
+    monkeypatch.setattr(torch.cuda, "Stream", lambda device: "stream")
+    monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
+    monkeypatch.setattr(gloo_lane, "_on_gpu", lambda value, device: value)  # stands for tensors on a GPU
+    edge, frames = Edge(), []
+    sender = _lane_with_nccl_sends_in_flight()
+    sender.device, sender.tensor_groups, sender._in_flight = torch.device("cpu"), {("act", 0, 1): (edge, 1)}, \
+        collections.deque()
+    sender.wire = SimpleNamespace(send=lambda tensors, peer, tag: frames.append(tensors[0]) or _NeverCompletes())
+    sent = (torch.arange(-3, 3).reshape(2, 3) * 7).to(dtype)
+    sender.post(1, 3, "act", 5, 1, wire.NO_DECISION, sent)
+    assert [t.dtype for t in wires] == [torch.uint8]
+    receiver = GlooLane.__new__(GlooLane)
+    receiver.rank, receiver.device, receiver._receive_streams = 1, torch.device("cpu"), {}
+    receiver.tensor_groups = {("act", 0, 1): (edge, 0)}
+    [received], _ = receiver._post_nccl_receives(SimpleNamespace(peer=0, views=[frames[0].numpy()]), 0)
+    assert received.dtype == dtype and torch.equal(received, sent)

@@ -121,7 +121,7 @@ class GlooLane:
             frame, tensors = wire.encode(step, kind, micro, chunk, decision, _on_gpu(value, self.device), inline=False)
             (group, peer), tag = edge, 0
         header = self.wire.send([frame], destination, HEADER_TAG)
-        payload = [group.send([t], peer, tag) for t in tensors]
+        payload = [group.send([as_bytes(t) if edge is not None else t], peer, tag) for t in tensors]
         gloo, nccl = ([header], payload) if edge is not None else ([header, *payload], [])
         self._in_flight.append((gloo, nccl, (frame, tensors), destination))
         if len(self._in_flight) > REAP_AFTER:
@@ -178,7 +178,7 @@ class GlooLane:
             stream = self._receive_streams[edge] = torch.cuda.Stream(home)
         with torch.cuda.stream(stream):  # waits for nothing the stage queued; the stage waits for it
             tensors = wire.empty_tensors(header, home)
-            works = [group.recv([t], local_peer, 0) for t in tensors if t is not None]
+            works = [group.recv([as_bytes(t)], local_peer, 0) for t in tensors if t is not None]
         return wire.marked(tensors, header), works
 
     def _payload(self, peer: int, header: wire.Header, home: torch.device) -> tuple[list, Optional[list]]:
@@ -429,6 +429,12 @@ def edge_groups(pipelines: list, members: list[int], size: int, placement: tuple
                 peer = pair[1] if pair[0] == me else pair[0]
                 mine[(kind, a, b)] = (group, sorted(pair).index(peer))
     return mine
+
+
+def as_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    """A contiguous tensor's memory as bytes, the same storage: what an NCCL edge carries, whatever
+    the dtype (NCCL has no int16, complex or bool type; a send or receive moves bytes unchanged)."""
+    return tensor.reshape(-1).view(torch.uint8)
 
 
 def to_gpu(tensors: list, home: torch.device) -> tuple[list, "torch.cuda.Event"]:
