@@ -82,7 +82,7 @@ class RankRunner:
         except BaseException as error:
             if self.replicas is not None:  # its sums in flight will never match now
                 self.replicas.abandon()
-                self.transport.lane.abandon(self.transport.also_abort)
+                self.transport.abandon()
             if not isinstance(error, StageFailed):
                 if not str(error.args[0] if error.args else "").startswith(f"[{self.prefix}"):
                     name_place(error, self.ranks.rank, None, prefix=self.prefix)

@@ -270,9 +270,14 @@ class ProcessTransport:
 
     # --- failures ------------------------------------------------------------------------------
 
+    def abandon(self) -> None:
+        """The call failed: the lane lets go of its transfers, aborting its NCCL groups and the rank's
+        others (`also_abort`) in one call (once: later calls do nothing)."""
+        self.lane.abandon(self.also_abort)
+
     def report_failure(self, description: str) -> None:
         """Tell every rank, in a note of plain text, that the current call failed here (the first note stays)."""
-        self.lane.abandon(self.also_abort)
+        self.abandon()
         try:
             self.shared.compare_set(f"failed/{self.step}", "", description[:NOTE_CHARS])
         except Exception:  # the store is gone too: every rank will notice that by itself
@@ -283,10 +288,10 @@ class ProcessTransport:
         try:
             self._told("broken", f"failed/{self.step}")
         except StageFailed:
-            self.lane.abandon(self.also_abort)
+            self.abandon()
             raise
         except Exception as error:
-            self.lane.abandon(self.also_abort)
+            self.abandon()
             raise StageFailed(f"rank {self.ranks.rank} lost the pipeline's store, the side channel every rank "
                               f"shares (it lives with the launcher or the process that made it): {error}") from None
 
@@ -305,7 +310,7 @@ class ProcessTransport:
 
     def _lost(self, peer: int, error: BaseException) -> StageFailed:
         """The connection to `peer` broke: give up and tell the store, unless a reported failure explains it."""
-        self.lane.abandon(self.also_abort)
+        self.abandon()
         try:
             self.check_failures()
         except StageFailed as reported:
