@@ -327,7 +327,6 @@ def measure_table(base: RunConfig, stages: Iterable[int] = (1, 2, 4, 8), micro: 
                 first = micro[0] if (micro[0], norm) in single else m
                 threads = None
                 if base.device == "cuda" and transport == "processes" and how == "measured":
-                    processes.free_gpus()  # the GPUs hold one model at a time: the pool's stages let go
                     beside = run(base.but(stages=k, micro_batches=m, transport="threads"))
                     threads = beside.samples_per_second / single[(m, "measured")]
                 yield Cell(k, m, rate, rate / single[(first, norm)], rate / single[(m, norm)], how, bubble, transport,
