@@ -164,14 +164,13 @@ class GlooLane:
         the receives now (tensors of the announced shapes, and the works), so that the sender's NCCL
         send is matched at once rather than when the stage next reads (a send held until then could
         wait behind kernels of the other direction's communicator); else None."""
-        edges = [kind for kind, source, destination in self.tensor_groups
-                 if (source, destination) == (link.peer, self.rank)]
-        if not edges or struct.unpack_from("<q", link.views[slot], 16)[0] not in map(wire.KINDS.index, edges):
-            return None
+        if not any(source == link.peer for _, source, _ in self.tensor_groups):
+            return None  # no NCCL edge from this neighbour (a lane of CPUs): nothing to decode here
         header = wire.decode_header(link.views[slot])
-        if header.inline:
+        edge = self.tensor_groups.get((header.kind, link.peer, self.rank))
+        if edge is None or header.inline:
             return None
-        group, local_peer = edge = self.tensor_groups[(header.kind, link.peer, self.rank)]
+        group, local_peer = edge
         home = lands_on(header.kind, self.device)
         stream = self._receive_streams.get(edge)
         if stream is None:
