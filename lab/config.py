@@ -145,7 +145,9 @@ def check(config: RunConfig) -> None:
     if config.device == "cuda" and not _cuda_available():
         raise ValueError("device='cuda' but this host has no CUDA GPU (torch.cuda.is_available() is False)")
     if config.device == "cuda" and config.transport == "processes":
-        refused = _gpu_stage_processes_refused(config.stages)
+        import torch
+        from .host import stage_processes_refused_here  # what ProcessPool would refuse, said before a run
+        refused = stage_processes_refused_here(config.stages, torch.cuda.is_initialized())
         if refused:
             raise ValueError(f"K={config.stages} stage processes on GPUs: {refused}")
 
@@ -218,13 +220,5 @@ def nvidia_smi(args: list[str], smi: tuple[str, ...] = NVIDIA_SMI) -> Optional[s
 
 
 def _cuda_available() -> bool:
-    import torch  # the checks that need torch, loaded only when a GPU is asked for
+    import torch  # the one check that needs torch, loaded only when a GPU is asked for
     return torch.cuda.is_available()
-
-
-def _gpu_stage_processes_refused(stages: int) -> Optional[str]:
-    """Why this host's GPUs cannot take `stages` stage processes from this process (their compute
-    mode, lab.host.stage_processes_refused), or None: what ProcessPool would refuse, said before a run."""
-    import torch
-    from .host import exclusive_gpus, stage_processes_refused
-    return stage_processes_refused(stages, torch.cuda.device_count(), torch.cuda.is_initialized(), exclusive_gpus())

@@ -469,7 +469,7 @@ def checklist(cli: bool = True, deadline: Optional[float] = None) -> tuple[list[
         skipped.append("no GPU: the CUDA rows (one GPU for K=1..3, schedules, trace order, hop, serial timing, "
                        "processes, NCCL, reproduce --device cuda) were not run")
         return checks, skipped
-    refused = host.stage_processes_refused(2, torch.cuda.device_count(), False, host.exclusive_gpus())
+    refused = host.stage_processes_refused_here(2, False)
     checks += [(name, isolated(name, deadline)) for name in GPU_ROWS if not (refused and name == "processes on GPUs")]
     if refused:
         skipped.append(f"processes on GPUs: {refused}")
@@ -545,7 +545,7 @@ def report_parts(folder: Path) -> list[Part]:
                  ["-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2", "--rdzv-backend", "c10d",
                   "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "-m", "lab.train", "--steps", "20", "--log-every",
                   "5", "--device", "cuda"], 90, env=NCCL_ON_LOOPBACK,
-                 refused=host.stage_processes_refused(2, torch.cuda.device_count(), False, host.exclusive_gpus()))]
+                 refused=host.stage_processes_refused_here(2, False))]
 
 
 def part_limit(part: Part, later: list[Part], deadline: float) -> float:

@@ -62,6 +62,11 @@ def stage_processes_refused(stages: int, gpus: int, parent_holds_context: bool, 
             f"(sudo nvidia-smi -c DEFAULT)")
 
 
+def stage_processes_refused_here(stages: int, parent_holds_context: bool) -> Optional[str]:
+    """`stage_processes_refused` for this host's GPUs and their compute mode (nvidia-smi)."""
+    return stage_processes_refused(stages, torch.cuda.device_count(), parent_holds_context, exclusive_gpus())
+
+
 def free_gpu_memory() -> None:
     """Give back what this process's CUDA allocator keeps cached (after the garbage that still holds
     a model or a failed step's tensors is gone), so that the next run, or a stage process, finds the

@@ -27,7 +27,7 @@ from engine.distributed.shm_lane import SHM, checked_spin, sweep
 from engine.trace import Trace
 
 from .children import Children, ChildFailed, name_of, resolve
-from .host import exclusive_gpus, stage_processes_refused
+from .host import stage_processes_refused_here
 from .loopback import Meeting
 from .process_tree import orphaned
 from .stage_server import START_SECONDS
@@ -53,8 +53,7 @@ class ProcessPool:
         if spin is not None:
             checked_spin(spin, f"spin={spin!r} (or None: the lane decides)")
         if device == "cuda":
-            refused = stage_processes_refused(stages, torch.cuda.device_count(), torch.cuda.is_initialized(),
-                                              exclusive_gpus())
+            refused = stage_processes_refused_here(stages, torch.cuda.is_initialized())
             if refused:
                 raise ValueError(f"ProcessPool({stages}, device='cuda'): {refused}")
         self.stages, self.timeout, self.device, self.lane = stages, timeout, device, lane

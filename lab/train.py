@@ -32,7 +32,7 @@ from engine.distributed.transport import gpu_identity, one_gpu_each
 from engine.schedule import CHECKPOINT_MODES, SCHEDULES, check_layout
 
 from . import models
-from .host import exclusive_gpus, stage_processes_refused
+from .host import stage_processes_refused_here
 
 
 def parser() -> argparse.ArgumentParser:
@@ -113,7 +113,7 @@ def main(argv=None) -> int:
         backend = "gloo"
         if args.device == "cuda":
             local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-            refused = stage_processes_refused(local, torch.cuda.device_count(), False, exclusive_gpus())
+            refused = stage_processes_refused_here(local, False)
             if refused:
                 print(f"python -m lab.train: error: {refused}", file=sys.stderr)
                 return 2

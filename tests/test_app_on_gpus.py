@@ -7,9 +7,8 @@ import pytest
 import lab.breakdown
 import lab.config
 import lab.experiments
+import lab.host
 from test_app import app, shipped_app  # noqa: F401  (the fixtures: a fresh server, three measured rounds)
-
-COMPUTE_MODE_RULE = lab.config._gpu_stage_processes_refused  # faked away by two_gpus, put back where tested
 
 
 @pytest.fixture
@@ -23,7 +22,7 @@ def two_gpus(monkeypatch):
         return record
     monkeypatch.setattr(lab.config, "visible_gpus", lambda: 2)
     monkeypatch.setattr(lab.config, "_cuda_available", lambda: True)
-    monkeypatch.setattr(lab.config, "_gpu_stage_processes_refused", lambda stages: None)
+    monkeypatch.setattr(lab.host, "exclusive_gpus", lambda: False)
     monkeypatch.setattr(lab.experiments, "run", on_the_cpu)
     alone = lab.breakdown.alone_events  # the serial step behind "where the time went" computes on the CPU too
     monkeypatch.setattr(lab.breakdown, "alone_events",
@@ -50,9 +49,7 @@ def test_on_exclusive_gpus_stages_as_processes_are_not_offered_and_say_why(app, 
     """EXCLUSIVE_PROCESS GPUs serve one process each: once this server holds a CUDA context (its
     threads ran there), a stage process cannot meet it on its GPU. The button is not offered; the
     caption names the mode (the pool's refusal used to reach the page as a traceback)."""
-    import lab.host
     import torch
-    monkeypatch.setattr(lab.config, "_gpu_stage_processes_refused", COMPUTE_MODE_RULE)
     monkeypatch.setattr(lab.host, "exclusive_gpus", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)

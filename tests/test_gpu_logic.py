@@ -450,7 +450,7 @@ def test_stage_processes_on_exclusive_gpus_are_refused_with_the_reason_and_the_w
     assert "2 stage processes on 1 GPU(s) would share one" in host.stage_processes_refused(2, 1, False, True)
     said = host.stage_processes_refused(2, 2, True, True)
     assert "this process's own CUDA context" in said and "threads" in said and "nvidia-smi -c DEFAULT" in said
-    monkeypatch.setattr(pool, "exclusive_gpus", lambda: True)
+    monkeypatch.setattr(host, "exclusive_gpus", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
     with pytest.raises(ValueError, match=r"ProcessPool\(2, device='cuda'\): the GPUs are in EXCLUSIVE_PROCESS"):
