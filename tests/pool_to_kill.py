@@ -2,15 +2,54 @@
 process group with SIGKILL in the middle of a step, often while the first steps are still growing
 their shared-memory slots). It runs as a child process (lab/children.py), forked with torch already
 imported, and leads a process group of its own, as a script started by a supervisor would: its
-pool's forker and stage processes are in that group."""
+pool's forker and stage processes are in that group. Its forker is a fork of itself (torch is
+imported already) rather than a fresh `python -m lab.forker`, which would import torch again for
+each of the 20 kills: the same forker, started in milliseconds."""
+import itertools
 import json
 import os
+import signal
+import socket
 import threading
 
 import torch
 
-from lab.forker import forker
+from lab import forker as forkers
 from lab.pool import ProcessPool
+
+
+class ForkedProcess:
+    """The forker's process, as Forker holds it (a Popen's pid and poll), made by os.fork."""
+
+    def __init__(self, pid: int):
+        self.pid, self.returncode = pid, None
+
+    def poll(self):
+        if self.returncode is None:
+            pid, status = os.waitpid(self.pid, os.WNOHANG)
+            if pid:
+                self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+
+class ForkedForker(forkers.Forker):
+    """A Forker whose forker process is forked from this one, serving as `python -m lab.forker` does."""
+
+    def __init__(self):
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        pid = os.fork()
+        if pid == 0:
+            ours.close()
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+            try:
+                forkers.serve(theirs)
+            finally:
+                os._exit(0)
+        theirs.close()
+        self.process = ForkedProcess(pid)
+        self.owner, self._ended, self._requests = os.getpid(), False, itertools.count()
+        self._socket, self._exits, self._answers, self._abandoned = ours, {}, {}, set()
+        self._lock = threading.RLock()
 
 
 class PoolToKill:
@@ -19,6 +58,7 @@ class PoolToKill:
 
     def __init__(self, ready: str):
         os.setsid()
+        forkers._forker = ForkedForker()
         pool = ProcessPool(2)
         pool.build("conftest:mlp", {"width": 64}, chunks=8)
         x, y = torch.randn(256, 64), torch.randint(0, 3, (256,))
@@ -27,7 +67,7 @@ class PoolToKill:
             while True:
                 pool.step(x, y, torch.nn.functional.cross_entropy)
         with open(ready + ".part", "w") as file:
-            json.dump({"parent": pool._shm_prefix, "store": pool._meeting.folder, "stages": [forker().process.pid, *pool.pids]}, file)
+            json.dump({"parent": pool._shm_prefix, "store": pool._meeting.folder, "stages": [forkers.forker().process.pid, *pool.pids]}, file)
         os.rename(ready + ".part", ready)
         threading.Thread(target=step_forever, daemon=True).start()
 
