@@ -3,7 +3,14 @@ import os
 import tempfile
 
 import pytest
-import torch
+
+if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1:
+    # Two workers share the host's cores, so a torch thread that waits at the end of a parallel
+    # region mostly waits for a core another worker holds: OpenMP's waiting threads sleep at once
+    # instead of polling first (set before torch loads; every process the tests start inherits it).
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import torch  # noqa: E402  (after OMP_WAIT_POLICY, which OpenMP reads when torch loads it)
 from torch import nn
 
 # Tests that share a costly module fixture run on one pytest-xdist worker (--dist loadgroup), so that
