@@ -458,7 +458,7 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     tuned = not args.default_malloc and keep_freed_cpu_memory()
     width, layers, batch = (64, 4, 128) if args.quick else (1024, 8, 2048)
-    small = dict(width=32, layers=4, batch=16, chunks=4, repeats=200) if args.quick else SMALL
+    small = dict(width=32, layers=4, batch=16, chunks=4, repeats=100) if args.quick else SMALL
     rounds = 1 if args.quick else args.rounds
     print(f"# engine benchmark: {layers} x (Linear({width},{width}) + ReLU), batch {batch}, "
           f"checkpoint={args.checkpoint}, {rounds} round(s), median samples/s" if not args.small else
