@@ -108,12 +108,17 @@ class Forker:
 
     def __init__(self):
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        self.process = subprocess.Popen([sys.executable, "-m", "lab.forker", str(theirs.fileno())],
-                                        pass_fds=[theirs.fileno()], env=child_environment(), stdin=subprocess.DEVNULL)
+        self.process = self._start(theirs)
         theirs.close()
         self.owner, self._ended, self._requests = os.getpid(), False, itertools.count()
         self._socket, self._exits, self._answers, self._abandoned = ours, {}, {}, set()
         self._lock = threading.RLock()  # re-entrant: a finalizer may poll a child while this thread waits here
+
+    def _start(self, theirs: socket.socket):
+        """The forker process, serving on `theirs` (this process keeps the other end): a fresh
+        `python -m lab.forker`, held as a Popen (pid, poll)."""
+        return subprocess.Popen([sys.executable, "-m", "lab.forker", str(theirs.fileno())],
+                                pass_fds=[theirs.fileno()], env=child_environment(), stdin=subprocess.DEVNULL)
 
     def running(self) -> bool:
         return not self._ended and self.process.poll() is None
@@ -273,9 +278,14 @@ def _run_child(main, fds: list[int], name: str, env: dict, folder: Optional[str]
         os._exit(code)
 
 
-if __name__ == "__main__":
+def main(sock: socket.socket) -> None:
+    """Be the forker on `sock` until the parent is gone."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a notebook's interrupt is for the stages, not for the forker
     try:
-        serve(socket.socket(fileno=int(sys.argv[1])))
+        serve(sock)
     except (ConnectionError, OSError):
         pass  # the parent went away mid-message
+
+
+if __name__ == "__main__":
+    main(socket.socket(fileno=int(sys.argv[1])))

@@ -5,10 +5,8 @@ imported, and leads a process group of its own, as a script started by a supervi
 pool's forker and stage processes are in that group. Its forker is a fork of itself (torch is
 imported already) rather than a fresh `python -m lab.forker`, which would import torch again for
 each of the 20 kills: the same forker, started in milliseconds."""
-import itertools
 import json
 import os
-import signal
 import socket
 import threading
 
@@ -35,21 +33,14 @@ class ForkedProcess:
 class ForkedForker(forkers.Forker):
     """A Forker whose forker process is forked from this one, serving as `python -m lab.forker` does."""
 
-    def __init__(self):
-        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    def _start(self, theirs: socket.socket) -> ForkedProcess:
         pid = os.fork()
         if pid == 0:
-            ours.close()
-            signal.signal(signal.SIGINT, signal.SIG_IGN)
             try:
-                forkers.serve(theirs)
+                forkers.main(theirs)
             finally:
                 os._exit(0)
-        theirs.close()
-        self.process = ForkedProcess(pid)
-        self.owner, self._ended, self._requests = os.getpid(), False, itertools.count()
-        self._socket, self._exits, self._answers, self._abandoned = ours, {}, {}, set()
-        self._lock = threading.RLock()
+        return ForkedProcess(pid)
 
 
 class PoolToKill:
