@@ -5,10 +5,13 @@ import tempfile
 import pytest
 
 if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1:
-    # Two workers share the host's cores, so a torch thread that waits at the end of a parallel
-    # region mostly waits for a core another worker holds: OpenMP's waiting threads sleep at once
-    # instead of polling first (set before torch loads; every process the tests start inherits it).
+    # Workers share the host's cores, so polling while waiting takes a core another worker's test
+    # needs; every process the tests start inherits these. A torch thread waiting at the end of a
+    # parallel region sleeps at once (OpenMP reads this when torch loads). A stage process that has
+    # a core of its own polls its lane before it sleeps (shm_lane.spin_for counts the host's cores);
+    # beside another worker's test no core is its own. The tests of spinning itself set their own.
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    os.environ.setdefault("GPIPE_SPIN_SECONDS", "0")
 
 import torch  # noqa: E402  (after OMP_WAIT_POLICY, which OpenMP reads when torch loads it)
 from torch import nn
@@ -26,11 +29,6 @@ def temporary_folder_of_the_run(tmp_path_factory):
     which a killed agent leaves behind) under pytest's own folder for the run, which pytest prunes;
     this process's Meetings too, so that they sweep where the children's were made."""
     os.environ["TMPDIR"] = tempfile.tempdir = str(tmp_path_factory.mktemp("tmp"))
-    if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1:
-        # A stage process that has a core of its own polls its lane before it sleeps (shm_lane.spin_for
-        # counts the host's cores); beside another worker's test no core is its own, and the polling
-        # took the CPU that test needed. The tests of spinning itself set their own.
-        os.environ.setdefault("GPIPE_SPIN_SECONDS", "0")
 
 
 def pytest_collection_modifyitems(items):
