@@ -348,7 +348,8 @@ def cross_core_copy(size: int = 8192, count: int = 2000) -> str:
     if len(cores) < 2:
         return "needs 2 cores"
     memory = shared_memory.SharedMemory(create=True, size=2 * size)
-    context = multiprocessing.get_context("spawn")
+    context = multiprocessing.get_context("fork")  # the writer needs only NumPy: no fresh interpreter (and
+                                                   # no re-import of a caller's unguarded __main__)
     mine, theirs = context.Pipe()
     writer = context.Process(target=_fill, args=(memory.name, size, count, theirs, cores[1]), daemon=True)
     writer.start()
