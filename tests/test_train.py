@@ -6,6 +6,7 @@ import sys
 
 import pytest
 
+from lab import train
 from lab.launch import ROOT, two_nodes
 
 ARGS = ["--steps", "12", "--log-every", "4", "--blocks", "2", "--width", "32", "--batch", "16"]
@@ -16,12 +17,13 @@ def losses(output: str) -> list[float]:
 
 
 @pytest.mark.timeout(180)
-def test_threads_and_two_nodes_train_the_same_model():
-    plain = subprocess.run([sys.executable, "-m", "lab.train", *ARGS], cwd=ROOT, capture_output=True, text=True,
-                           timeout=120)
-    assert plain.returncode == 0, plain.stderr
-    assert "threads: 2 stage threads" in plain.stdout
-    expected = losses(plain.stdout)
+def test_threads_and_two_nodes_train_the_same_model(capsys):
+    """The threads' run in this process (the command line's parsing is the same function), then
+    two torchrun agents: the same losses bit for bit."""
+    assert train.main(ARGS) == 0
+    plain = capsys.readouterr().out
+    assert "threads: 2 stage threads" in plain
+    expected = losses(plain)
     assert len(expected) == 3 and expected[-1] < expected[0]
 
     outputs = two_nodes(["-m", "lab.train", *ARGS], "train-test", timeout=150, done=lambda: False)
@@ -32,13 +34,13 @@ def test_threads_and_two_nodes_train_the_same_model():
 
 
 @pytest.mark.timeout(180)
-def test_two_pipelines_as_replicas_train_as_one_pipeline_does():
+def test_two_pipelines_as_replicas_train_as_one_pipeline_does(capsys):
     """torchrun --nproc-per-node 4 -m lab.train --stages 2 --data-parallel 2: a 2 x 2 mesh. Each
     replica takes half of every batch in M micro-batches numbered globally; the losses follow one
     pipeline of 2M micro-batches (the same dropout masks) up to float32 rounding. The mesh runs ZB-V,
     whose last chunk sits on the first stage's rank: that rank takes the inputs and the targets."""
-    plain = subprocess.run([sys.executable, "-m", "lab.train", *ARGS, "--micro-batches", "16"], cwd=ROOT,
-                           capture_output=True, text=True, timeout=120)
+    assert train.main([*ARGS, "--micro-batches", "16"]) == 0
+    plain = capsys.readouterr().out
     mesh = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
                            "-m", "lab.train", *ARGS, "--stages", "2", "--data-parallel", "2", "--micro-batches", "8",
                            "--schedule", "zb-v"], cwd=ROOT,
@@ -46,23 +48,21 @@ def test_two_pipelines_as_replicas_train_as_one_pipeline_does():
     assert mesh.returncode == 0, mesh.stderr[-3000:]
     assert "processes: 2 pipeline(s) of 2 ranks over torch.distributed (gloo)" in mesh.stdout
     assert "zb-v (v=2)" in mesh.stdout
-    assert losses(mesh.stdout) == pytest.approx(losses(plain.stdout), rel=1e-4)
+    assert losses(mesh.stdout) == pytest.approx(losses(plain), rel=1e-4)
     assert re.search(r"each stage all-reduced [\d.]+ kB, [\d.]+ kB of gradients with its 1 replica", mesh.stdout)
 
 
-def test_bad_arguments_exit_with_one_line():
-    result = subprocess.run([sys.executable, "-m", "lab.train", "--steps", "0"], cwd=ROOT, capture_output=True,
-                            text=True, timeout=60)
-    assert result.returncode == 2 and "--steps 0: expected >= 1" in result.stderr
-    result = subprocess.run([sys.executable, "-m", "lab.train", "--data-parallel", "2"], cwd=ROOT, capture_output=True,
-                            text=True, timeout=60)
-    assert result.returncode == 2 and "needs one process per stage and replica: torchrun" in result.stderr
+def test_bad_arguments_exit_with_one_line(capsys):
+    assert train.main(["--steps", "0"]) == 2
+    assert capsys.readouterr().err.strip() == "python -m lab.train: error: --steps 0: expected >= 1"
+    assert train.main(["--data-parallel", "2"]) == 2
+    [line] = capsys.readouterr().err.strip().splitlines()
+    assert "needs one process per stage and replica: torchrun" in line
 
 
 def test_every_schedule_trains_with_the_chunks_per_stage_it_needs(capsys):
     """`--schedule interleaved` places two chunks per stage unless told (it crashed without an option
     for them); chunks per stage a schedule refuses are one line naming the rule."""
-    from lab import train
     small = ["--steps", "1", "--blocks", "2", "--width", "16", "--batch", "8", "--micro-batches", "4"]
     assert train.main([*small, "--schedule", "interleaved"]) == 0
     assert "interleaved (v=2)" in capsys.readouterr().out
