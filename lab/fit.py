@@ -9,6 +9,7 @@ allocated more than the budget for it; stages that share a GPU are counted as on
 """
 from __future__ import annotations
 
+import gc
 from collections import Counter
 from dataclasses import dataclass
 from typing import Callable, Optional
@@ -99,9 +100,16 @@ def cuda_cap_fraction(budget: int, baseline: int, total: int) -> float:
     return min(1.0, (baseline + CUDA_HEADROOM * budget) / total)
 
 
-def step_peak(peaks: list[int], baselines: list[int]) -> int:
-    """The most any one GPU allocated for the step, above what it held before."""
-    return max(peak - base for peak, base in zip(peaks, baselines))
+def step_peak(peaks: list[int], baselines: list[int], state_bytes: int = 0) -> int:
+    """The most any one GPU allocated for the step, above what it held before. Weights, gradients
+    and Adam's moments (`state_bytes` together) are all held when the step ends, so the GPUs' growth
+    cannot sum to less: if it does, a baseline counted memory that was freed during the step (a
+    previous probe's, say) and the reading is refused rather than reported."""
+    grown = [peak - base for peak, base in zip(peaks, baselines)]
+    if sum(grown) < state_bytes:
+        raise RuntimeError(f"the GPUs grew by {sum(grown)} bytes during a step whose weights, gradients and "
+                           f"Adam state alone take {state_bytes}: a baseline held memory freed during the step")
+    return max(grown)
 
 
 def stream_workspace(gpu: int) -> int:
@@ -136,6 +144,7 @@ def footprint_cuda(config: RunConfig, budget: int) -> tuple[int, int, bool]:
     gpus = range(torch.cuda.device_count())
     params, pipe = 0, None
     try:
+        gc.collect()  # an earlier probe's pipe or failure may sit in a reference cycle, its memory still held
         torch.cuda.empty_cache()
         workspaces = library_workspaces(devices_for(config))
         baselines = [torch.cuda.memory_allocated(d) + workspaces.get(d, 0) for d in gpus]
@@ -151,7 +160,8 @@ def footprint_cuda(config: RunConfig, budget: int) -> tuple[int, int, bool]:
         pipe.step(inputs, targets, loss_fn)
         optimizer.step()
         torch.cuda.synchronize()
-        peak = step_peak([torch.cuda.max_memory_allocated(d) for d in gpus], baselines)
+        state = 4 * sum(p.numel() * p.element_size() for p in model.parameters())  # weights, gradients, 2 moments
+        peak = step_peak([torch.cuda.max_memory_allocated(d) for d in gpus], baselines, state)
         return params, peak, peak <= budget
     except torch.cuda.OutOfMemoryError:
         return params, budget, False

@@ -161,3 +161,18 @@ def test_the_gpu_table_is_sized_until_the_gpu_sets_the_pace():
     assert sizing.tried and len(sizing.ratios) == 8 and all(r > 0 for r in sizing.ratios)
     assert min(sizing.ratios) >= speedup.GPU_TARGET or sizing.config.width == sizing.tried[-1][0] or \
         sizing.tried[-1][2] == "out of memory"
+
+
+@NO_GPU
+def test_a_gpu_memory_probe_after_one_that_ran_out_still_counts_the_whole_step():
+    """The capped probe right after an out-of-memory one: the first run on a GPU reported 48 MB for a
+    step whose weights, gradients and Adam state alone took 305 MB (the failed probe's memory, still
+    held by a reference cycle, counted as the next one's baseline)."""
+    from lab import fit
+    from dataclasses import replace
+    from lab.config import RunConfig
+    small = RunConfig(model="transformer", blocks=2, width=128, batch=16, micro_batches=4, device="cuda",
+                      checkpoint="always")
+    assert not fit.footprint_cuda(replace(small, blocks=64), budget=2 ** 20)[2]   # out of memory under 1 MiB
+    params, peak, fits = fit.footprint_cuda(small, budget=2 ** 30)
+    assert fits and peak >= 16 * params   # float32 weights, gradients and two moments, all on this GPU

@@ -131,6 +131,8 @@ def test_the_gpu_memory_budget_counts_what_the_step_allocated():
     assert fit.cuda_cap_fraction(gib, baseline=gib, total=80 * gib) == pytest.approx((1 + 1.25) / 80)
     assert fit.cuda_cap_fraction(80 * gib, baseline=0, total=80 * gib) == 1.0
     assert fit.step_peak([5 * gib, 3 * gib], [4 * gib, 0]) == 3 * gib   # GPU 1 allocated most for the step
+    with pytest.raises(RuntimeError, match="baseline held memory freed during the step"):
+        fit.step_peak([5 * gib, 3 * gib], [4 * gib, 3 * gib], state_bytes=2 * gib)  # grew 1 GiB, state alone 2
     base, budget, most = fit.table1_setting("cuda")
     assert budget >= gib and base.width >= 256 and most >= 1024
     assert fit.table1_setting("cuda", quick=True)[1] >= 256 * 2 ** 20   # far above any workspace
@@ -169,7 +171,7 @@ def test_gpus_are_counted_without_torch_as_the_app_needs(tmp_path, monkeypatch):
         (tmp_path / name).mkdir()
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     assert visible_gpus(str(tmp_path)) == 3
-    assert visible_gpus(str(tmp_path / "absent")) == 0
+    assert visible_gpus(str(tmp_path / "absent"), smi=(str(tmp_path / "no-smi"),)) == 0   # not this host's nvidia-smi
     for visible, count in (("1", 1), ("0,2", 2), ("", 0), ("-1", 0), ("0,-1,1", 1), ("0,1,2,3,4", 3)):
         monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
         assert visible_gpus(str(tmp_path)) == count, visible
