@@ -160,7 +160,9 @@ class Sizing:
         steps = "; ".join(f"width {w}, batch {b}: " + (r if isinstance(r, str) else f"min {min(r):.1f}x")
                           for w, b, r in self.tried)
         ratios = ", ".join(f"{r:.1f}" for r in self.ratios)
-        verdict = "met" if self.ratios and min(self.ratios) >= GPU_TARGET else "NOT met (largest that fit)"
+        stopped = bool(self.tried) and isinstance(self.tried[-1][2], str)   # out of memory, or too large to build
+        verdict = ("met" if self.ratios and min(self.ratios) >= GPU_TARGET
+                   else "NOT met (largest that fit)" if stopped else "NOT met (the ladder's last rung)")
         return (f"sized for the GPU by measurement: width {self.config.width}, batch {self.config.batch}; GPU time "
                 f"over host time per task, per stage at the hardest cell: {ratios} (target {GPU_TARGET:g}x: "
                 f"{verdict}); tried {steps}")

@@ -214,7 +214,10 @@ def test_the_gpu_table_is_grown_until_the_gpu_sets_the_pace():
         return [1.5] * config.stages
     sizing = speedup.sized_for_gpu(start.but(seed=1), probe=out_of_memory_past_1024_wide)
     assert (sizing.config.width, sizing.config.batch) == (1024, 256)          # the last rung that fit
-    assert sizing.tried[-1] == (2048, 256, "out of memory") and "NOT met" in sizing.describe()
+    assert sizing.tried[-1] == (2048, 256, "out of memory") and "NOT met (largest that fit)" in sizing.describe()
+    # the first H200 run: the quick ladder ended with every stage launch-bound, nothing out of memory
+    sizing = speedup.sized_for_gpu(start.but(seed=4), quick=True, probe=lambda config: [1.0] * config.stages)
+    assert len(sizing.tried) == len(speedup.GPU_LADDER_QUICK) and "NOT met (the ladder's last rung)" in sizing.describe()
 
     # a table of stage processes builds the whole model in each of them and here: the host's memory
     # ends the climb before a rung it could not build (8 x 4.8 GB at the top of the ladder)
