@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 import time
-from contextlib import ExitStack, nullcontext
+from contextlib import ExitStack
 from typing import Optional, Sequence
 
 import torch
@@ -114,20 +114,22 @@ class StageDevice:
         this GPU at that moment (one per GPU, shared by the stages on it, so their times agree)."""
         self._t0, self._origin = t0, origin
 
-    def on_stream(self):
+    def on_stream(self) -> ExitStack:
         """A context in which CUDA work queues on this stage's stream (nothing on a CPU), for the
-        caller's own set-up of the stage, such as counters read back at the end of the step."""
-        return torch.cuda.stream(self.stream) if self.is_cuda else nullcontext()
-
-    def enter(self) -> ExitStack:
-        """Set up the calling worker thread: intra-op threads on CPU, device and stream on CUDA."""
+        caller's own set-up of the stage, such as counters read back at the end of the step. The
+        stage's GPU is the thread's current device meanwhile: leaving a stream context restores the
+        current device's stream, and from a thread on cuda:0 that would open a context there."""
         stack = ExitStack()
         if self.is_cuda:
             stack.enter_context(torch.cuda.device(self.device))
             stack.enter_context(torch.cuda.stream(self.stream))
-        else:
-            torch.set_num_threads(self.threads)
         return stack
+
+    def enter(self) -> ExitStack:
+        """Set up the calling worker thread: intra-op threads on CPU, device and stream on CUDA."""
+        if not self.is_cuda:
+            torch.set_num_threads(self.threads)
+        return self.on_stream()
 
     def mark(self):
         """A time stamp on this stage's timeline; read it with `seconds` once the step is over (on
@@ -166,7 +168,8 @@ class StageDevice:
         edge = self._edges.get(destination)
         if edge is None:
             edge = self._edges[destination] = torch.cuda.Stream(destination)
-        with torch.cuda.stream(edge), torch.cuda.stream(self.stream):  # the copy queues on this stream and is
+        with torch.cuda.device(self.device if self.is_cuda else destination), torch.cuda.stream(edge), \
+                torch.cuda.stream(self.stream):  # the copy queues on this stream and is
             moved = rebuild(value, [None if t is None else t.to(destination, non_blocking=True)  # ordered on the
                                     for t in tensors_of(value)])  # destination by `edge`, not its default stream
         ready = torch.cuda.Event()

@@ -141,17 +141,17 @@ def footprint_cuda(config: RunConfig, budget: int) -> tuple[int, int, bool]:
     stage on a GPU of its own, under a real cap: "does not fit" is a real out-of-memory error, and
     a step that ran fits if no GPU allocated more than `budget` for it, the stage streams' library
     workspaces not counted (`library_workspaces`). The cap is lifted after."""
-    gpus = range(torch.cuda.device_count())
-    params, pipe = 0, None
+    gpus = sorted({torch.device(name).index or 0 for name in devices_for(config)})  # the stages' GPUs only:
+    params, pipe = 0, None  # capping another would open a context there (refused if another process holds it)
     try:
         gc.collect()  # an earlier probe's pipe or failure may sit in a reference cycle, its memory still held
         torch.cuda.empty_cache()
         workspaces = library_workspaces(devices_for(config))
         baselines = [torch.cuda.memory_allocated(d) + workspaces.get(d, 0) for d in gpus]
-        for d in gpus:
+        for d, baseline in zip(gpus, baselines):
             torch.cuda.reset_peak_memory_stats(d)
             torch.cuda.set_per_process_memory_fraction(
-                cuda_cap_fraction(budget, baselines[d], torch.cuda.get_device_properties(d).total_memory), d)
+                cuda_cap_fraction(budget, baseline, torch.cuda.get_device_properties(d).total_memory), d)
         model, (inputs, targets), loss_fn = build(config)
         params = sum(p.numel() for p in model.parameters())
         pipe = GPipe(model, config.stages, devices=devices_for(config), chunks=config.micro_batches,
@@ -159,7 +159,8 @@ def footprint_cuda(config: RunConfig, budget: int) -> tuple[int, int, bool]:
         optimizer = torch.optim.Adam(pipe.parameters(), lr=1e-4)
         pipe.step(inputs, targets, loss_fn)
         optimizer.step()
-        torch.cuda.synchronize()
+        for d in gpus:
+            torch.cuda.synchronize(d)
         state = 4 * sum(p.numel() * p.element_size() for p in model.parameters())  # weights, gradients, 2 moments
         peak = step_peak([torch.cuda.max_memory_allocated(d) for d in gpus], baselines, state)
         return params, peak, peak <= budget

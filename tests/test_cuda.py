@@ -128,6 +128,9 @@ def test_a_copy_into_a_gpu_waits_for_nothing_else_queued_there():
     used to wait for it, and so for every earlier copy into that GPU)."""
     sender = StageDevice(torch.device("cuda", 0), 1)
     sender.start(time.perf_counter(), None)
+    with sender.enter():   # a first copy: cuda:1's context, peer access and a cached block, none of which may wait
+        sender.send(torch.zeros(4, device="cuda:0"), torch.device("cuda", 1))[1].synchronize()
+    torch.cuda.synchronize(1)
     with torch.cuda.device(1):
         torch.cuda._sleep(int(3e9))                # seconds of work on cuda:1's default stream
     with sender.enter():
@@ -171,8 +174,8 @@ def test_a_gpu_memory_probe_after_one_that_ran_out_still_counts_the_whole_step()
     from lab import fit
     from dataclasses import replace
     from lab.config import RunConfig
-    small = RunConfig(model="transformer", blocks=2, width=128, batch=16, micro_batches=4, device="cuda",
-                      checkpoint="always")
+    small = RunConfig(model="transformer", blocks=2, width=128, batch=16, stages=1, micro_batches=4, device="cuda",
+                      checkpoint="always")   # one stage: its GPU holds the whole model's state
     assert not fit.footprint_cuda(replace(small, blocks=64), budget=2 ** 20)[2]   # out of memory under 1 MiB
     params, peak, fits = fit.footprint_cuda(small, budget=2 ** 30)
     assert fits and peak >= 16 * params   # float32 weights, gradients and two moments, all on this GPU

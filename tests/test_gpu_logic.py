@@ -122,6 +122,21 @@ def test_a_peer_dying_while_the_pipe_is_built_ends_connect_with_the_edges_named(
     assert all(group.aborted for group, _ in edges.values())
 
 
+def test_connect_aborts_its_edges_however_it_ends(monkeypatch):
+    """Not only a peer's failure: the Store failing, NCCL refusing a probe or Ctrl-C while the pipe
+    is built leave no edge holding a posted probe (the lane's close then skips NCCL's groups)."""
+    monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
+    monkeypatch.setattr(torch, "zeros", lambda *shape, device=None: torch.empty(0))
+    monkeypatch.setattr(gloo_lane, "abort_groups", lambda groups: [group.abort() for group in groups])
+    edges = {("act", 0, 1): (_EdgeGroup(), 1), ("grad", 1, 0): (_EdgeGroup(), 1)}
+
+    def store_gone():
+        raise RuntimeError("Connection reset by peer (the Store)")
+    with pytest.raises(RuntimeError, match="the Store"):
+        gloo_lane.connect(edges, 0, torch.device("cuda", 0), store_gone, within=5)
+    assert all(group.aborted for group, _ in edges.values())
+
+
 def test_a_lost_neighbour_ends_the_wait_for_an_nccl_receive():
     transport = ProcessTransport.__new__(ProcessTransport)
     transport.also_abort = []
@@ -542,30 +557,49 @@ def test_a_cell_holds_one_model_at_a_time(monkeypatch):
     assert alive == [0]
 
 
-def test_nccl_groups_are_aborted_together_in_one_nccl_group_call():
-    """As torch aborts its whole world (pytorch#119797): every NCCL communicator of the rank aborted
-    between one group start and end, since one abort may wait for the GPU, where another
-    communicator's kernel still waits for a peer."""
-    calls = []
-
-    class ProcessGroupNCCL:  # what a group's CUDA backend is where NCCL runs it (faked: named as torch's)
-        def _group_start(self):
-            calls.append("start")
-
-        def _group_end(self):
-            calls.append("end")
+def test_nccl_groups_are_aborted_all_at_once_and_a_blocked_abort_holds_no_one():
+    """Each group is aborted from a thread of its own, all started together: one NCCL abort may wait
+    for the GPU, where another communicator's kernel still waits for a peer (pytorch#119797), and
+    torch waits for an abort up to the group's timeout (a year here). The caller returns within the
+    bound whatever an abort does."""
+    release, aborted = threading.Event(), []
 
     class Group:
-        def __init__(self, name):
-            self.name = name
-
-        def _get_backend(self, device):
-            return ProcessGroupNCCL()
+        def __init__(self, name, blocks=False):
+            self.name, self.blocks = name, blocks
 
         def abort(self):
-            calls.append(self.name)
-    gloo_lane.abort_groups([Group("act edge"), Group("grad edge"), Group("data parallel")])
-    assert calls == ["start", "act edge", "grad edge", "data parallel", "end"]
+            if self.blocks:
+                release.wait(30)   # a communicator whose abort waits for the GPU
+            aborted.append(self.name)
+    start = time.monotonic()
+    gloo_lane.abort_groups([Group("act edge", blocks=True), Group("grad edge"), Group("data parallel")], seconds=0.3)
+    assert time.monotonic() - start < 3
+    assert sorted(aborted) == ["data parallel", "grad edge"]   # not held behind the blocked one
+    release.set()
+
+
+def _record_cuda_contexts(monkeypatch) -> list:
+    """Fake CUDA streams and record the device and stream contexts entered, in order."""
+    entered = []
+
+    def recording(kind):
+        return lambda what: entered.append((kind, what)) or contextlib.nullcontext()
+    monkeypatch.setattr(torch.cuda, "Stream", lambda device: f"stream on {device}")
+    monkeypatch.setattr(torch.cuda, "device", recording("device"))
+    monkeypatch.setattr(torch.cuda, "stream", recording("stream"))
+    return entered
+
+
+def test_a_stage_stream_is_entered_with_its_gpu_current(monkeypatch):
+    """Leaving a stream context restores the stream of the thread's current device: from a thread
+    still on cuda:0 (every new thread is), that opens a context on cuda:0 in a rank whose GPU is
+    another (and fails in EXCLUSIVE_PROCESS mode). So a stage's GPU is made current first."""
+    from engine.device import StageDevice
+    entered = _record_cuda_contexts(monkeypatch)
+    with StageDevice(torch.device("cuda", 1), 1).on_stream():
+        pass
+    assert entered == [("device", torch.device("cuda", 1)), ("stream", "stream on cuda:1")]
 
 
 def test_an_nccl_payload_is_received_as_soon_as_its_header_lands(monkeypatch):
@@ -581,16 +615,19 @@ def test_an_nccl_payload_is_received_as_soon_as_its_header_lands(monkeypatch):
         def recv(self, tensors, peer, tag):
             posted.append((tensors[0].numel(), peer))  # bytes
             return _NeverCompletes()
-    monkeypatch.setattr(torch.cuda, "Stream", lambda device: "stream")
-    monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
+    entered = _record_cuda_contexts(monkeypatch)
+    empty = wire.empty_tensors   # the tensors on the host: this one has no GPU
+    monkeypatch.setattr(wire, "empty_tensors", lambda header, home: empty(header, torch.device("cpu")))
     lane = GlooLane.__new__(GlooLane)
-    lane.rank, lane.device, lane._receive_streams = 1, torch.device("cpu"), {}
+    lane.rank, lane.device, lane._receive_streams = 1, torch.device("cuda", 1), {}
     lane.tensor_groups, lane._events = {("act", 0, 1): (Edge(), 0), ("grad", 1, 0): (Edge(), 1)}, queue.SimpleQueue()
     frame, _ = wire.encode(3, "act", 5, 1, wire.NO_DECISION, torch.ones(4, 6), inline=False)
     reposted = []
     link = SimpleNamespace(peer=0, views=[frame.numpy()], repost=reposted.append)
     early = lane._post_nccl_receives(link, 0)
     assert posted == [(4 * 6 * 4, 0)], "posted by the listener, on the edge the header came from"
+    # entered with its GPU current: a listener thread starts on cuda:0, where leaving the stream would open a context
+    assert entered == [("device", torch.device("cuda", 1)), ("stream", "stream on cuda:1")]
     lane._events.put((link, 0, early))
     [arrival] = lane.receive(0.1)
     assert posted == [(4 * 6 * 4, 0)] and reposted == [0], "the stage reads them; nothing posted twice"
@@ -618,8 +655,7 @@ def test_an_nccl_edge_carries_any_dtype_as_bytes(monkeypatch, dtype):
             assert tensors[0].dtype == torch.uint8
             tensors[0].copy_(wires.pop())
             return _NeverCompletes()
-    monkeypatch.setattr(torch.cuda, "Stream", lambda device: "stream")
-    monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
+    _record_cuda_contexts(monkeypatch)
     monkeypatch.setattr(gloo_lane, "_on_gpu", lambda value, device: value)  # stands for tensors on a GPU
     edge, frames = Edge(), []
     sender = _lane_with_nccl_sends_in_flight()

@@ -175,7 +175,8 @@ class GlooLane:
         stream = self._receive_streams.get(edge)
         if stream is None:
             stream = self._receive_streams[edge] = torch.cuda.Stream(home)
-        with torch.cuda.stream(stream):  # waits for nothing the stage queued; the stage waits for it
+        # on the stage's GPU (a new thread's current device is cuda:0, where leaving the stream would open a context)
+        with torch.cuda.device(home), torch.cuda.stream(stream):  # waits for nothing the stage queued
             tensors = wire.empty_tensors(header, home)
             works = [group.recv([as_bytes(t)], local_peer, 0) for t in tensors if t is not None]
         return wire.marked(tensors, header), works
@@ -320,35 +321,33 @@ class _Abandoned(Exception):
     """The lane gave up its NCCL transfers (a call failed): the sender thread stops waiting."""
 
 
-def abort_groups(groups: list) -> None:
-    """Abort process groups' pending work now (NCCL's abort: kernels waiting for a peer end), all in
-    one NCCL group call, as torch aborts its whole world (pytorch#119797): one communicator's abort
-    may wait for the GPU, where another's kernel still waits for a peer."""
-    nccl = next((backend for backend in map(_nccl_backend, groups) if backend is not None), None)
-    if nccl is not None:
-        nccl._group_start()
-    try:
-        for group in groups:
-            try:
-                dist.distributed_c10d._abort_process_group(group)
-            except Exception:
-                try:
-                    group.abort()
-                    dist.destroy_process_group(group)
-                except Exception:  # already gone
-                    pass
-    finally:
-        if nccl is not None:
-            nccl._group_end()
+ABORT_SECONDS = 10.0  # the most a failed call waits for its NCCL groups' aborts
 
 
-def _nccl_backend(group):
-    """The group's NCCL backend, or None (gloo, or no CUDA backend)."""
+def abort_groups(groups: list, seconds: float = ABORT_SECONDS) -> None:
+    """Abort process groups' pending work now (NCCL's abort ends kernels waiting for a peer), each
+    group from a thread of its own, all at once: torch runs a communicator's abort on a thread of
+    its own and waits for it up to the group's timeout, one abort may wait for the GPU where another
+    communicator's kernel still waits for a peer (pytorch#119797), and NCCL's group calls, which
+    torch uses against that, hold per thread. Returns within `seconds`; an abort still blocked then
+    is left to its daemon thread, and the lane is given up either way."""
+    threads = [threading.Thread(target=_abort, args=(group,), daemon=True, name="gpipe-abort") for group in groups]
+    for thread in threads:
+        thread.start()
+    deadline = time.monotonic() + seconds
+    for thread in threads:
+        thread.join(timeout=max(0.0, deadline - time.monotonic()))
+
+
+def _abort(group) -> None:
     try:
-        backend = group._get_backend(torch.device("cuda"))
+        dist.distributed_c10d._abort_process_group(group)
     except Exception:
-        return None
-    return backend if type(backend).__name__ == "ProcessGroupNCCL" else None
+        try:
+            group.abort()
+            dist.destroy_process_group(group)
+        except Exception:  # already gone
+            pass
 
 
 def own_group(pipelines: list, members: list[int], **options):
@@ -371,30 +370,30 @@ def connect(edges: dict, rank: int, device: torch.device, check=lambda: None,
     """Connect every NCCL edge now, one element each, in one order for all ranks: NCCL connects on first
     use, and a peer that died then would block a stage where no abort reaches it. The host polls the
     probes, calling `check` meanwhile (a device-wide synchronize would wait forever for a peer that
-    died while the pipe was built); probes not done within `within` seconds, or a failed one, abort
-    the edges' groups and raise StageFailed naming the edges."""
+    died while the pipe was built); probes not done within `within` seconds, or a failed one, raise
+    StageFailed naming the edges. However it ends early, the edges' groups are aborted first."""
     if not edges:  # no NCCL on this lane
         return
+    try:
+        _connect(edges, rank, device, check, within)
+    except BaseException:  # whatever ended it (a failed probe, a peer's failure, the Store, NCCL, Ctrl-C)
+        abort_groups([group for group, _ in edges.values()])
+        raise
+
+
+def _connect(edges: dict, rank: int, device: torch.device, check, within: float) -> None:
     deadline, probes = time.monotonic() + within, []
     with torch.cuda.device(device):
         for edge, (group, peer) in sorted(edges.items()):
             probe = torch.zeros(1, device=device)
             probes.append((edge, (group.send if edge[1] == rank else group.recv)([probe], peer, 0)))
 
-    def abort() -> None:
-        abort_groups([group for group, _ in edges.values()])
-
     def give_up(why: str) -> StageFailed:
-        abort()
         return StageFailed(f"rank {rank}: NCCL edge(s) {why} while the pipe was built; "
                            f"has a peer died or stopped? (edges named (kind, sending stage, receiving stage))")
 
     def late() -> None:
-        try:
-            check()
-        except StageFailed:
-            abort()
-            raise
+        check()
         if time.monotonic() > deadline:
             raise give_up(f"{[edge for edge, work in probes if not work.is_completed()]} not connected "
                           f"within {within:g} s")

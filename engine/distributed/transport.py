@@ -165,8 +165,12 @@ class ProcessTransport:
         peers = sorted({p for p in (upstream, downstream) if p is not None and p != ranks.rank})
         try:
             self.lane: Lane = self._open_lane(world, members, peers)
-        except StageFailed as error:  # told, so that the other ranks building the pipe stop too
-            self.shared.set("broken", str(error)[:NOTE_CHARS])
+        except BaseException as error:  # told, so that the other ranks building the pipe stop too
+            note = str(error) if isinstance(error, StageFailed) else f"rank {ranks.rank}: {type(error).__name__}: {error}"
+            try:
+                self.shared.set("broken", note[:NOTE_CHARS])
+            except Exception:  # the Store itself failed: the peers see that on their own
+                pass
             raise
         remote = [r for r in range(1, ranks.size) if clocks[r] != clocks[0]]
         self.clock_offset = self.lane.clock_offset(remote) if remote else 0.0
