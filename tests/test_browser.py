@@ -18,6 +18,9 @@ from listeners import beyond_loopback, listening
 
 ROOT = Path(__file__).resolve().parent.parent
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
+# How often a wait looks at the page, in ms, as a person would: Playwright's default polls on every
+# animation frame, which keeps the page's renderer busy (a third of a core while the steps ran).
+LOOK = 250
 GANTT = "document.querySelector('.js-plotly-plot')"
 FINAL_GANTT_READY = f"() => {{ const p = {GANTT}; return p && p.layout && p.layout.title && " \
                     "p.layout.title.text.includes('measured ('); }"
@@ -137,14 +140,22 @@ CUT_OFF = ("() => [...document.querySelectorAll('[data-testid=stMain] *')].filte
 def metric(page, label: str) -> tuple[float, float, float]:
     """A measured figure of the page, (median, lowest, highest), from its metric: "speedup over
     K=1 / 1.61x / 1.22 to 1.83x" or "step time / 245 ms / 201 to 288 ms"."""
-    text = page.wait_for_function(METRIC, arg=label, timeout=30_000).json_value()
+    text = page.wait_for_function(METRIC, arg=label, timeout=30_000, polling=LOOK).json_value()
     value, spread = [line for line in text.split("\n") if line.strip()][1:3]
     low, high = spread.split(" to ")
     return tuple(float(part.strip().rstrip("x").removesuffix(" ms")) for part in (value, low, high))
 
 
 def wait_until_idle(page) -> None:
-    page.locator("[data-testid='stStatusWidget']").wait_for(state="detached", timeout=240_000)
+    """Wait until the page's script run has ended (Streamlit's status widget is gone)."""
+    page.wait_for_function("() => !document.querySelector(\"[data-testid='stStatusWidget']\")",
+                           timeout=240_000, polling=LOOK)
+
+
+def text_shown(page, text: str, timeout: float = 60_000) -> None:
+    """Wait until `text` is on the page."""
+    page.wait_for_function("text => document.body.innerText.includes(text)", arg=text, timeout=timeout,
+                           polling=LOOK)
 
 
 # Counts the page's script runs that ended (Streamlit's data-test-script-state turning "notRunning"),
@@ -173,7 +184,7 @@ def first_chart(browser, url: str, width: int):
     page = browser.new_context(viewport={"width": width, "height": 1000}).new_page()
     asked = time.monotonic()
     page.goto(url)
-    first = page.wait_for_function(FIRST_CHART, timeout=60_000).json_value()
+    first = page.wait_for_function(FIRST_CHART, timeout=60_000, polling=100).json_value()  # both read at once
     return page, time.monotonic() - asked, first
 
 
@@ -337,10 +348,10 @@ def test_every_section_button_and_a_written_schedule_leave_a_clean_terminal(serv
     box = page.locator("[data-testid='stTextArea'] textarea")
     box.fill("stage 0: F0 B0\nstage 1: F0 B0")
     box.press("Control+Enter")
-    page.get_by_text("✗ stage 0 never runs R0").wait_for(timeout=60_000)  # defaults: M=16, except_last
+    text_shown(page, "✗ stage 0 never runs R0")  # defaults: M=16, except_last
     page.locator("[data-testid='stSelectbox']").filter(has_text="start from").click()
     page.get_by_role("option", name="zb-v").click()
-    page.get_by_text("✓ legal: makespan").wait_for(timeout=60_000)
+    text_shown(page, "✓ legal: makespan")
     assert box.input_value().startswith("placement: V\nstage 0: F0@0")
     page.get_by_role("button", name="run it").click()
     page.wait_for_function(WRITER_RAN, timeout=120_000, polling=500)
