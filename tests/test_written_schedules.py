@@ -10,9 +10,10 @@ import pytest
 import torch
 from torch import nn
 
+import torch_schedules
 from conftest import grads, mlp
 from engine import GPipe
-from engine.schedule import SCHEDULES, Schedule, Task, check, interleaved, one_f_one_b, v_shape, zb_h1, zb_v
+from engine.schedule import SCHEDULES, Schedule, Task, check, interleaved, loop, one_f_one_b, v_shape, zb_h1, zb_v
 from lab.exactness import unpipelined_gradients
 from lab.schedule_writer import format, parse
 
@@ -191,6 +192,8 @@ def test_torchs_whole_backward_beside_split_ones_is_a_b_and_its_w():
     mixed = parse("0F0,0F1,0B0,0I1,0W1\n1F0,1F1,1B0,1I1,1W1")
     assert [[str(t) for t in tasks] for tasks in mixed] == [["F0", "F1", "B0", "W0", "B1", "W1"]] * 2
     assert check(mixed, 2, "never").held == 2
+    got = float64_step(2, mixed, "never", chunks=2)[0]
+    assert max((a - b).abs().max().item() for a, b in zip(got, reference())) < 1e-10
     assert [[str(t) for t in tasks] for tasks in parse("0F0,0B0\n1F0,1B0")] == [["F0", "B0"]] * 2
 
 
@@ -203,6 +206,22 @@ def test_torchs_communication_and_overlapped_actions_read_as_the_compute_they_ca
              rows[1].replace("2F0,", "1RECV_F0,2F0,1SEND_B0,2RESHARD,")]
     assert noisy != rows and "OVERLAP_F_B" in noisy[0]
     assert parse("\n".join(noisy)) == written
+
+
+@pytest.mark.parametrize("name", sorted(torch_schedules.SHAPES))
+def test_schedules_torch_writes_import_check_and_run_exactly(name):
+    """torch.distributed.pipelining's own schedules (made by its classes), in both of its CSV forms,
+    read as they are: they pass the check, and run with the unpipelined gradients within 1e-10
+    (float64), on 2 and 3 stages of two chunks each."""
+    whole = reference()
+    for stages, micro in ((2, 4), (3, 6)):
+        for form in ("compute_only", "compute_comms"):
+            written = parse(torch_schedules.exported(name, stages, micro, form))
+            assert written.placement == (loop(stages, 2 * stages) if torch_schedules.SHAPES[name] == "loop"
+                                         else v_shape(stages, 2 * stages)), (stages, form)
+            check(written, micro, "never")
+            got = float64_step(stages, written, "never", chunks=micro)[0]
+            assert max((a - b).abs().max().item() for a, b in zip(got, whole)) < 1e-10, (stages, form)
 
 
 def test_stages_labelled_in_another_order_are_read_in_stage_order():
@@ -242,9 +261,11 @@ def test_written_schedules_on_stage_processes_equal_threads_bitwise():
     for stages in (2, 3):
         pool = ProcessPool(stages)
         try:
-            for schedule, checkpoint in (("zb-v", "always"), (parse(format(zb_h1(stages, 4, "never"))), "never")):
+            torchs = [(parse(torch_schedules.exported(name, stages, 4, "compute_comms")), "never")  # DualPipeV:
+                      for name in sorted(torch_schedules.SHAPES) if name != "ScheduleDualPipeV" or stages == 2]  # M >= 2K
+            for schedule, checkpoint in [("zb-v", "always"), (parse(format(zb_h1(stages, 4, "never"))), "never"), *torchs]:
                 options = dict(balance=stages, chunks=4, schedule=schedule, checkpoint=checkpoint,
-                               virtual_stages=2 if schedule == "zb-v" else 1)
+                               **({"virtual_stages": 2} if schedule == "zb-v" else {}))
                 pool.build("conftest:mlp", dict(dtype=torch.float64), **options)
                 loss = pool.step(x, y, nn.functional.cross_entropy)
                 model = mlp(dtype=torch.float64)
