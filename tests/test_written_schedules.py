@@ -224,6 +224,16 @@ def test_schedules_torch_writes_import_check_and_run_exactly(name):
             assert max((a - b).abs().max().item() for a, b in zip(got, whole)) < 1e-10, (stages, form)
 
 
+def test_a_deadlock_torch_refuses_without_saying_where_is_named_by_the_check():
+    """What notebook 12 says of torch.distributed.pipelining: it refuses the deadlock when it adds
+    its sends and receives, naming no stage; the check names the cycle."""
+    deadlock = parse("stage 0: F0 B0 F1 B1\nstage 1: F0 F1 B1 B0")
+    with pytest.raises(AssertionError, match="Malformed compute schedule, can't schedule sends/recvs"):
+        torch_schedules.lowered(format(deadlock, torch=True))
+    with pytest.raises(ValueError, match="stage 0 waits for B0 from stage 1, which waits for F1 from stage 0"):
+        check(deadlock, 2, "never")
+
+
 def test_stages_labelled_in_another_order_are_read_in_stage_order():
     text = format(one_f_one_b(3, 4, "never"))
     upside_down = "\n".join(reversed(text.splitlines()))

@@ -38,3 +38,11 @@ def exported(name: str, ranks: int, micro_batches: int, form: str = "compute_onl
     for rank in sorted(actions):
         writer.writerow([str(action) for action in actions[rank]])
     return out.getvalue()
+
+
+def lowered(text: str) -> dict:
+    """torch's SEND/RECV lowering pass run on a compute-only text (rank r's line holds its stage r):
+    what torch's `_load_csv` does to a schedule before it runs it."""
+    actions = {rank: [torch_schedules._Action.from_str(word) for word in line.split(",")]
+               for rank, line in enumerate(text.strip().splitlines())}
+    return torch_schedules._add_send_recv(actions, lambda stage: stage, len(actions))
