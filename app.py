@@ -442,7 +442,7 @@ def show_writer(record: RunRecord, config: RunConfig) -> None:
     predicted = [schedule_writer.unit_cost(verdict.schedule)]
     if fits:
         predicted.append(schedule_writer.replayed(verdict.schedule, record.solo_events or record.events,
-                                                  config.virtual_stages))
+                                                  config.virtual_stages, schedule_writer.message_seconds(record.messages)))
     st.plotly_chart(charts.stacked_gantt(predicted, [f"{line.label}: bubble {line.bubble:.0%}" for line in predicted]),
                     key="writer_predicted")
     if not fits:

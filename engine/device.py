@@ -115,10 +115,8 @@ class StageDevice:
         self._t0, self._origin = t0, origin
 
     def on_stream(self) -> ExitStack:
-        """A context in which CUDA work queues on this stage's stream (nothing on a CPU), for the
-        caller's own set-up of the stage, such as counters read back at the end of the step. The
-        stage's GPU is the thread's current device meanwhile: leaving a stream context restores the
-        current device's stream, and from a thread on cuda:0 that would open a context there."""
+        """A context in which CUDA work queues on this stage's stream, its GPU current (leaving a stream
+        restores the current device's: from a thread on cuda:0 that opens a context there); nothing on a CPU."""
         stack = ExitStack()
         if self.is_cuda:
             stack.enter_context(torch.cuda.device(self.device))

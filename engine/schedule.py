@@ -320,13 +320,12 @@ def forward_only(placement: tuple, micro_batches: int) -> Schedule:
                      for k in range(1 + max(placement))], placement)
 
 
-def timeline(schedule: list[list[Task]], duration) -> list[list[tuple[float, float]]]:
+def timeline(schedule: list[list[Task]], duration, latency: float = 0.0) -> list[list[tuple[float, float]]]:
     """Start and end of every task if stage k ran its list back to back, each task starting as soon as
-    its stage is free and its upstream task is done. `duration(stage, task)` gives each task's time.
-
-    With unit costs this is the textbook diagram; with measured costs it replays a real run as if
-    every stage had a device of its own. Raises ValueError naming the cycle of waits if it deadlocks.
-    """
+    its stage is free and its upstream task is done (`latency` later from another stage: a message).
+    `duration(stage, task)` gives each task's time. With unit costs this is the textbook diagram;
+    with measured costs it replays a real run as if every stage had a device of its own. Raises
+    ValueError naming the cycle of waits if it deadlocks."""
     schedule = schedule if isinstance(schedule, Schedule) else Schedule(schedule)
     stages, chunks = len(schedule), len(schedule.placement)
     times: list[list[tuple[float, float]]] = [[] for _ in range(stages)]
@@ -347,7 +346,7 @@ def timeline(schedule: list[list[Task]], duration) -> list[list[tuple[float, flo
                     if position[needed] >= len(times[other]):
                         waits[k] = (needed, other)
                         break  # its input is not produced yet; try the other stages first
-                    ready = max(ready, times[other][position[needed]][1])
+                    ready = max(ready, times[other][position[needed]][1] + (latency if other != k else 0.0))
                 times[k].append((ready, ready + duration(k, task)))
                 cursor[k] += 1
                 progressed = True
@@ -368,16 +367,19 @@ def _cycle(schedule: Schedule, waits: dict) -> str:
 
 
 class Report(NamedTuple):
-    """`check`'s unit-cost prediction (a stage's F = 1, B = 2 or B = W = 1 with W split off, R = 1; a chunk 1/v)."""
+    """`check`'s prediction: with unit costs (a stage's F = 1, B = 2 or B = W = 1 with W split off,
+    R = 1; a chunk 1/v) unless given the tasks' own durations, then in their unit."""
 
     makespan: float
     bubble: float       # the stages' idle fraction
     held: float         # the most micro-batches a stage holds (forward done, backward or W not yet)
 
 
-def check(schedule: list[list[Task]], micro_batches: int, checkpoint: str = "except_last") -> Report:
-    """Check that `schedule` runs micro-batches 0..M-1 under `checkpoint`, and report its unit-cost
-    makespan, bubble and memory; raise a ValueError that names the first problem in words."""
+def check(schedule: list[list[Task]], micro_batches: int, checkpoint: str = "except_last",
+          duration: Optional[Callable[[int, Task], float]] = None, latency: float = 0.0) -> Report:
+    """Check that `schedule` runs micro-batches 0..M-1 under `checkpoint` (else a ValueError names the
+    first problem in words); report its makespan, bubble and memory with unit costs, or with a model's
+    own: `duration(stage, task)` and `latency` per message between stages."""
     schedule = schedule if isinstance(schedule, Schedule) else Schedule(schedule)
     place, stages, mode = schedule.placement, len(schedule), check_checkpoint_mode(checkpoint)
     if stages < 1 or micro_batches < 1:
@@ -416,7 +418,7 @@ def check(schedule: list[list[Task]], micro_batches: int, checkpoint: str = "exc
                 if where[after] < where[before]:
                     raise ValueError(f"stage {k} runs {schedule.label(after)} before {schedule.label(before)}")
     share, costs = stages / len(place), {"F": 1.0, "R": 1.0, "B": 1.0 if split else 2.0, "W": 1.0}
-    times = timeline(schedule, lambda k, task: costs[task.op] * share)
+    times = timeline(schedule, duration or (lambda k, task: costs[task.op] * share), latency)
     makespan = max(end for stage in times for _, end in stage)
     busy = sum(end - start for stage in times for start, end in stage)
     held = [n for tasks in schedule for n in accumulate((t.op == "F") - (t.op == "WB"[not split]) for t in tasks)]

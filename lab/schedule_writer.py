@@ -172,9 +172,9 @@ def examine(text: str, micro_batches: int, checkpoint: str) -> Verdict:
     return Verdict(schedule, report, f"✓ legal: {describe(report)}")
 
 
-def laid_out(schedule: Schedule, duration, label: str, unit: str) -> Timeline:
+def laid_out(schedule: Schedule, duration, label: str, unit: str, latency: float = 0.0) -> Timeline:
     """The schedule's tasks laid onto its dependencies (engine.schedule.timeline), as a Timeline."""
-    times = schedules.timeline(schedule, duration)
+    times = schedules.timeline(schedule, duration, latency)
     events = [Event(k, task.micro, task.op, start, end, "", task.chunk)
               for k, tasks in enumerate(schedule) for task, (start, end) in zip(tasks, times[k])]
     return Timeline(label, Trace(stages=len(schedule), events=sorted(events, key=lambda e: (e.start, e.stage))), unit)
@@ -189,28 +189,43 @@ def unit_cost(schedule: Schedule) -> Timeline:
     return laid_out(schedule, lambda k, task: costs[task.op] * share, "theory (unit costs), written", "time units")
 
 
-def mean_task_seconds(events: list[dict], virtual: int) -> dict[str, float]:
-    """Each op's mean measured seconds for a whole stage's share of layers (a chunk's time times the
-    `virtual` chunks per stage it was measured with); with W measured apart, B's includes it."""
-    totals: dict[str, list[float]] = {}
+def stage_task_seconds(events: list[dict], virtual: int) -> dict[tuple[int, str], float]:
+    """Each stage's mean measured seconds per op, for the stage's whole share of layers (a chunk's
+    time times the `virtual` chunks per stage it was measured with); with W measured apart, B's
+    includes it. Keyed by (stage, op): stages of one model differ (an embedding, a head)."""
+    totals: dict[tuple[int, str], list[float]] = {}
     for e in events:
-        totals.setdefault(e["op"], []).append((e["end"] - e["start"]) * virtual)
-    mean = {op: sum(times) / len(times) for op, times in totals.items()}
-    if "W" in mean:
-        mean["B"] += mean.pop("W")
+        totals.setdefault((e["stage"], e["op"]), []).append((e["end"] - e["start"]) * virtual)
+    mean = {key: sum(times) / len(times) for key, times in totals.items()}
+    for stage, op in [key for key in mean if key[1] == "W"]:
+        mean[(stage, "B")] += mean.pop((stage, "W"))
     return mean
 
 
-def replayed(schedule: Schedule, events: list[dict], virtual: int) -> Timeline:
-    """An ideal replay of the written schedule on this host's measured task times: each op's mean
-    (`mean_task_seconds`), divided among the schedule's chunks; with W split off, B and W take half
-    of the measured backward each (how the engine's split falls on a given model varies)."""
-    mean = mean_task_seconds(events, virtual)
+def message_seconds(messages: list[dict]) -> float:
+    """What a message between stages took in a run (a RunRecord's `messages`): the median sending
+    time plus the median reading time, the two stage threads' shares (0 for threads, which pass
+    references). A replay adds it where a task waits for another stage's."""
+    def median(direction: str) -> float:
+        times = sorted(m["end"] - m["start"] for m in messages if m["direction"] == direction)
+        return times[len(times) // 2] if times else 0.0
+    return median("send") + median("receive")
+
+
+def replayed(schedule: Schedule, events: list[dict], virtual: int, latency: float = 0.0) -> Timeline:
+    """An ideal replay of the written schedule on this host's measured task times: each stage's mean
+    per op (`stage_task_seconds`), divided among the schedule's chunks, and `latency` per message
+    between stages; with W split off, B and W take half of the stage's measured backward each (how
+    the engine's split falls on a given model varies)."""
+    mean = stage_task_seconds(events, virtual)
     split = any(t.op == "W" for tasks in schedule for t in tasks)
-    costs = {"F": mean["F"], "R": mean.get("R", mean["F"]), "B": mean["B"] / (2 if split else 1), "W": mean["B"] / 2}
     share = len(schedule) / len(schedule.placement)
-    return laid_out(schedule, lambda k, task: costs[task.op] * share, "ideal replay of this host's mean task times",
-                    "s")
+
+    def cost(stage: int, task: Task) -> float:
+        backward = mean[(stage, "B")]
+        return share * {"F": mean[(stage, "F")], "R": mean.get((stage, "R"), mean[(stage, "F")]),
+                        "B": backward / (2 if split else 1), "W": backward / 2}[task.op]
+    return laid_out(schedule, cost, "ideal replay of this host's task times", "s", latency)
 
 
 @dataclass(frozen=True)

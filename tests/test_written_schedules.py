@@ -358,6 +358,24 @@ def test_ranks_that_all_wait_are_no_deadlock_while_a_message_is_still_on_its_way
     assert reports == ["deadlock: stage 0 waits for B0 from stage 1; stage 1 waits for F1 from stage 0"]
 
 
+def test_a_schedule_is_checked_on_its_models_own_costs_and_message_time():
+    """check() with each stage's measured task times and a message's time between stages, as the
+    writer's replay uses them: 1F1B, K=2, M=1, stage 1 three times slower forward, 0.5 per message."""
+    from lab import schedule_writer
+    plan = one_f_one_b(2, 1, "never")
+    costs = {(0, "F"): 1.0, (0, "B"): 2.0, (1, "F"): 3.0, (1, "B"): 2.0}
+    own = lambda stage, task: costs[(stage, task.op)]
+    assert check(plan, 1, "never").makespan == 6.0                                # unit costs: F 1, B 2
+    assert check(plan, 1, "never", own).makespan == 1 + 3 + 2 + 2                 # F0, F0, B0, B0 in turn
+    assert check(plan, 1, "never", own, latency=0.5).makespan == 1 + 0.5 + 3 + 2 + 0.5 + 2   # two hops
+    events = [{"stage": k, "op": op, "start": 0.0, "end": costs[(k, op)]} for k, op in costs]
+    messages = [{"direction": "send", "start": 0.0, "end": 0.2}, {"direction": "receive", "start": 1.0, "end": 1.3},
+                {"direction": "send", "start": 2.0, "end": 2.2}]
+    assert schedule_writer.message_seconds(messages) == pytest.approx(0.5) and schedule_writer.message_seconds([]) == 0
+    replay = schedule_writer.replayed(Schedule(plan), events, 1, schedule_writer.message_seconds(messages))
+    assert replay.makespan == pytest.approx(9.0)
+
+
 def test_the_writers_verdicts_predictions_and_guards():
     from lab import schedule_writer
     text = schedule_writer.preset("zb-v", 2, 2, "never")
@@ -368,7 +386,8 @@ def test_the_writers_verdicts_predictions_and_guards():
     assert schedule_writer.examine("F0 B0\nF0", 1, "never").line == "✗ stage 1 never runs B0"
     theory = schedule_writer.unit_cost(verdict.schedule)
     assert theory.makespan == 6.5 and theory.bubble == pytest.approx(verdict.report.bubble)
-    events = [{"op": op, "start": 0.0, "end": seconds} for op, seconds in (("F", 1.0), ("B", 2.0), ("B", 2.0))]
+    events = [{"stage": k, "op": op, "start": 0.0, "end": seconds} for k in (0, 1)
+              for op, seconds in (("F", 1.0), ("B", 2.0), ("B", 2.0))]
     assert schedule_writer.replayed(verdict.schedule, events, 1).makespan == theory.makespan  # F=1, B=2 split in half
     with pytest.raises(ValueError, match="interleaved"):
         schedule_writer.preset("interleaved", 2, 3, "never")
