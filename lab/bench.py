@@ -4,6 +4,7 @@
                                    # small model (8 x Linear(256)+ReLU, batch 64) threads vs processes
     python -m lab.bench --quick    # small sizes, for a smoke run
     python -m lab.bench --small    # only the small model's rows
+    python -m lab.bench --overhead # only the engine's own time on a near-empty model (lab/overhead.py)
 
 Every configuration is timed once per round, round after round, so that a noisy host slows all
 of them alike. Rates are medians over the rounds; a ratio is the median of the per-round ratios.
@@ -29,6 +30,7 @@ from engine import GPipe
 from engine.device import cpu_cores
 from engine.distributed import wire
 
+from . import overhead
 from .breakdown import in_order
 from .host import keep_freed_cpu_memory
 from .models import build_mlp
@@ -440,6 +442,21 @@ def call_parts(traces: list, seconds: list[float]) -> str:
             f"planning and the trace {median_us([s - t.wall for s, t in zip(seconds, traces)]):.0f} us")
 
 
+def overhead_rows(pool: ProcessPool, tuned: bool, rounds: int, count: int) -> list[tuple[str, str, str]]:
+    """The near-empty model's rows (lab/overhead.py), then where its M=1 call's time goes in stage
+    processes (call_parts over traced steps, after a warm-up step)."""
+    rows = overhead.measure(pool, tuned, rounds, count, micros=(1, 4, 16) if count < 2000 else overhead.MICROS)
+    work = overhead.NEAR_EMPTY
+    step = process_step(pool, work.width, work.blocks, 1, checkpoint="never", threads_per_stage=1)
+    x, y = work.data()
+    traces, seconds = [], []
+    for _ in range(1 + 3 * rounds):
+        seconds.append(step(x, y))
+        traces.append(pool.trace)
+    return rows + [("near-empty K=2, processes, M=1: the call outside its two stages' tasks",
+                    call_parts(traces[1:], seconds[1:]), "where a call's fixed microseconds go")]
+
+
 def format_table(rows: list[tuple[str, str, str]]) -> str:
     """A markdown table of the rows."""
     lines = ["| measurement | result | target / note |", "|---|---|---|"]
@@ -451,6 +468,8 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="small model and batch: a smoke run, not a measurement")
     parser.add_argument("--small", action="store_true", help="only the small model's rows (a minute or two)")
+    parser.add_argument("--overhead", action="store_true",
+                        help="only the engine's own time per call, task and message, beside torch's (a minute)")
     parser.add_argument("--rounds", type=int, default=7, help="timed rounds per configuration (medians are shown)")
     parser.add_argument("--checkpoint", default="except_last", choices=["always", "except_last", "never"])
     parser.add_argument("--default-malloc", action="store_true",
@@ -461,9 +480,10 @@ def main(argv=None) -> None:
     width, layers, batch = (64, 4, 128) if args.quick else (1024, 8, 2048)
     small = dict(width=32, layers=4, batch=16, chunks=4, repeats=100) if args.quick else SMALL
     rounds = 1 if args.quick else args.rounds
-    print(f"# engine benchmark: {layers} x (Linear({width},{width}) + ReLU), batch {batch}, "
-          f"checkpoint={args.checkpoint}, {rounds} round(s), median samples/s" if not args.small else
-          f"# engine benchmark, the small model only: {rounds} round(s) (x3 for its short steps)")
+    print(f"# engine benchmark, the near-empty model only: {rounds} round(s)" if args.overhead else
+          f"# engine benchmark, the small model only: {rounds} round(s) (x3 for its short steps)" if args.small else
+          f"# engine benchmark: {layers} x (Linear({width},{width}) + ReLU), batch {batch}, "
+          f"checkpoint={args.checkpoint}, {rounds} round(s), median samples/s")
     print(f"# host: {platform.processor() or platform.machine()}, {cpu_cores()} cores; torch {torch.__version__}; "
           f"malloc {'keeps freed memory (all rows)' if tuned else 'glibc defaults'}")
     with ProcessPool(2, threads_per_stage=1, keep_freed_memory=tuned) as pool, \
@@ -473,8 +493,14 @@ def main(argv=None) -> None:
             ProcessPool(1, threads_per_stage=1, keep_freed_memory=tuned) as second_half:
         lanes, halves = {"shared memory": pool, "shared memory, waits asleep": sleepy_pool, "gloo": gloo_pool}, \
             (first_half, second_half)
-        print(format_table(small_rows(small, rounds, lanes, halves) if args.small else
-                           run(width, layers, batch, rounds, args.checkpoint, small, lanes, halves)))
+        count = 200 if args.quick else 2000
+        if args.overhead:
+            print(format_table(overhead_rows(pool, tuned, rounds, count)))
+        elif args.small:
+            print(format_table(small_rows(small, rounds, lanes, halves)))
+        else:
+            table = run(width, layers, batch, rounds, args.checkpoint, small, lanes, halves)
+            print(format_table(table + overhead_rows(pool, tuned, rounds, count)))
 
 
 if __name__ == "__main__":

@@ -167,6 +167,10 @@ class PipeliningProcesses:
         self.ranks = Children(PipeliningRank, [(rank, self.meeting.path, work, tuned_malloc) for rank in range(2)],
                               name="torch.distributed.pipelining rank", timeout=timeout_s, env=self.meeting.env)
 
+    def ping(self, count: int, numel: int) -> float:
+        """Seconds a message of `numel` float32 takes one way between the two ranks (`PipeliningRank.ping`)."""
+        return self.ranks.ask([("ping", (count, numel))] * 2)[0]
+
     def ask(self, command: str, micro: int = 0) -> list:
         """Send `command` to both ranks and return their answers, rank 0 first; a failure in a rank
         is raised here with its own type, a dead or silent rank after at most the timeout."""
@@ -219,8 +223,10 @@ class PipeliningRank:
         from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
 
         what, micro = command
+        if what == "ping":
+            return self.ping(*micro)
         if what not in ("step", "grads"):
-            raise ValueError(f"unknown command {what!r}; expected 'step' or 'grads'")
+            raise ValueError(f"unknown command {what!r}; expected 'step', 'grads' or 'ping'")
         if micro not in self.schedules:
             stage = PipelineStage(self.part, self.rank, 2, torch.device("cpu"))
             self.schedules[micro] = ScheduleGPipe(stage, n_microbatches=micro, loss_fn=nn.functional.mse_loss)
@@ -235,6 +241,23 @@ class PipeliningRank:
             self.schedules[micro].step(target=self.y, losses=[])
         return time.perf_counter() - start
 
+    def ping(self, count: int, numel: int) -> float:
+        """Seconds a tensor of `numel` float32 takes one way between the two ranks over gloo, the
+        point-to-point sends the schedule's steps use, over `count` round trips."""
+        import torch.distributed as dist
+
+        buffer, other = torch.zeros(numel), 1 - self.rank
+        dist.barrier()
+        start = time.perf_counter()
+        for _ in range(count):
+            if self.rank == 0:
+                dist.send(buffer, other)
+                dist.recv(buffer, other)
+            else:
+                dist.recv(buffer, other)
+                dist.send(buffer, other)
+        return (time.perf_counter() - start) / (2 * count)
+
     def close(self) -> None:
         import torch.distributed as dist
 
@@ -242,15 +265,16 @@ class PipeliningRank:
 
 
 def race(work: Workload, micros: list[int], rounds: int, progress: Optional[Callable[[str], None]] = None,
-         checkpoint: str = "never") -> Iterator[list[Result]]:
+         checkpoint: str = "never", pipelining: Optional[PipeliningProcesses] = None) -> Iterator[list[Result]]:
     """Yield, M after M, every peer's result at that M, the one-core baseline first. At each M the
     contenders take turns, one step each per round, after one untimed warm-up step each. Every
     process in the race, the peer's two included, gets the same malloc tuning (see
-    lab.host.keep_freed_cpu_memory)."""
+    lab.host.keep_freed_cpu_memory). `pipelining`: the peer's ranks, if already started for `work`
+    (closed at the end either way)."""
     tuned_malloc = keep_freed_cpu_memory()
     reference = unpipelined_gradients(work.model(), *work.data(), nn.functional.mse_loss)
     builders = [single_device, ours] + ([torchgpipe_peer] if torchgpipe_available() else [])
-    pipelining = PipeliningProcesses(work, tuned_malloc)
+    pipelining = pipelining or PipeliningProcesses(work, tuned_malloc)
     pool = None
     try:
         pool = ProcessPool(2, threads_per_stage=1, keep_freed_memory=tuned_malloc)

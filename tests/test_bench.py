@@ -4,14 +4,24 @@ import pytest
 
 from engine.device import cpu_cores
 from engine.trace import Event, Message, Trace
-from lab import bench
+from lab import bench, peers
 
 
 def test_quick_benchmark_prints_every_row(capsys):
     bench.main(["--quick"])
     out = capsys.readouterr().out
     rows = [line for line in out.splitlines() if line.startswith("| ") and "---" not in line][1:]
+    near_empty = [row for row in rows if "near-empty" in row]
+    rows = [row for row in rows if row not in near_empty]
     assert len(rows) == 26
+    own = [row for row in near_empty if "engine's own time" in row]
+    assert {row.split(",")[1].split(":")[0].strip() for row in own} >= {"gpipe-lab engine", "torch.distributed.pipelining ScheduleGPipe"}
+    assert len(own) == 3 + peers.torchgpipe_available() and all(" us per call, " in row for row in own)
+    assert sum("a message " in row for row in own) == 2     # processes and torch's ranks; threads pass references
+    assert [row.split("|")[1].strip() for row in near_empty[len(own):]] == [
+        "near-empty K=2, M=1: our step vs torch.distributed.pipelining's",
+        "near-empty K=2, M=16: our step vs torch.distributed.pipelining's",
+        "near-empty K=2, processes, M=1: the call outside its two stages' tasks"]
     assert any("two halves at once" in row for row in rows)
     assert any("speedup K=2 over K=1 at M=32" in row for row in rows)
     assert any("ceiling: both halves" in row for row in rows)
@@ -77,3 +87,24 @@ def test_small_prints_only_the_small_model_rows(capsys, monkeypatch):
     assert rows == ["| small model: a row | 1.0x |  |"] and "the small model only" in out
     small, rounds, lanes, halves = measured[0]
     assert small["width"] == 32 and rounds == 1 and set(lanes) == {"shared memory", "shared memory, waits asleep", "gloo"}
+
+
+def test_the_engines_own_time_is_the_intercept_and_slope_less_the_layers_work():
+    """lab.overhead's arithmetic on step times made up to a known line: a call costs 2 ms whatever
+    its M, a micro-batch 1 ms, of which plain PyTorch's layers (4 ms per micro-batch on one core,
+    the whole model) take 2 ms on each of the two stages; one preempted step does not tilt the line."""
+    from lab import overhead
+    ms = 1e-3
+    line = {m: 2 * ms + 3 * ms * m for m in overhead.MICROS}
+    assert overhead.fitted({**line, 4: line[4] + 50 * ms}) == pytest.approx((2 * ms, 3 * ms))
+    medians = {peers.BASELINE: {m: 4 * ms * m for m in overhead.MICROS}, "ours": line,
+               peers.PipeliningProcesses.name: {m: 1 * ms + 4 * ms * m for m in overhead.MICROS}}
+    parts = overhead.parts(medians)
+    assert parts["ours"] == pytest.approx({"call": 2 * ms, "micro-batch": 3 * ms, "pipeline per micro-batch": 1 * ms})
+    rows = overhead.rows({**medians, "gpipe-lab engine, processes": line}, {"gpipe-lab engine, processes": 30.0})
+    assert rows[2][1] == "2000 us per call, 1000 us per micro-batch (500 per task, messages included); a message 30 us one way"
+    assert rows[-2:] == [
+        ("near-empty K=2, M=1: our step vs torch.distributed.pipelining's", "processes 1.00x",
+         ">= 1.0x: torch's step time over ours"),
+        ("near-empty K=2, M=64: our step vs torch.distributed.pipelining's", f"processes {(1 + 4 * 64) / (2 + 3 * 64):.2f}x",
+         ">= 1.0x: torch's step time over ours")]

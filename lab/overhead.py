@@ -1,0 +1,97 @@
+"""The engine's own time, apart from compute: a model whose layers do almost nothing (8 x
+Linear(16)+ReLU, batch 64, K=2), stepped at M = 1 to 64 by our engine (stage threads, stage
+processes) and by torch.distributed.pipelining's ScheduleGPipe, side by side in interleaved rounds
+(`peers.race`), with plain PyTorch on one core beside them.
+
+A straight line through each contender's median step times over M takes its time apart: the
+intercept is what a call costs whatever its M (planning, the decision, the trace, the end of the
+call), the slope what each micro-batch adds. Of the slope, plain PyTorch's own per micro-batch (one
+core, the whole model) over K is the layers' work a stage does; the rest is the pipeline's, per
+micro-batch and stage: 2 tasks (F and B) and, between processes, 2 messages (one out, one in).
+A message's one-way time is measured apart (round trips of an activation between the two ranks).
+"""
+from __future__ import annotations
+
+import statistics
+from typing import Optional
+
+from . import peers
+
+NEAR_EMPTY = peers.Workload(width=16, blocks=8, batch=64)
+MICROS = (1, 2, 4, 8, 16, 32, 64)
+STAGES = 2
+
+
+def fitted(points: dict[int, float]) -> tuple[float, float]:
+    """(intercept, slope) of the line through {M: seconds}: the slope is the median of the pairwise
+    slopes (Theil-Sen: one preempted step does not tilt it), the intercept the median residual."""
+    pairs = sorted(points.items())
+    slope = statistics.median((t2 - t1) / (m2 - m1) for i, (m1, t1) in enumerate(pairs) for m2, t2 in pairs[i + 1:])
+    return statistics.median(t - slope * m for m, t in pairs), slope
+
+
+def sweep(work: peers.Workload = NEAR_EMPTY, micros=MICROS, rounds: int = 7,
+          pipelining: Optional[peers.PipeliningProcesses] = None) -> dict[str, dict[int, float]]:
+    """Each contender's median step seconds at every M, from one race (every contender's gradients
+    are checked against the unpipelined model's on the way); `pipelining`: torch's ranks, started."""
+    medians: dict[str, dict[int, float]] = {}
+    for results in peers.race(work, list(micros), rounds, checkpoint="never", pipelining=pipelining):
+        for result in results:
+            medians.setdefault(result.peer, {})[result.micro_batches] = result.seconds
+    return medians
+
+
+def parts(medians: dict[str, dict[int, float]]) -> dict[str, dict[str, float]]:
+    """Per contender, in seconds: "call" (the intercept), "micro-batch" (the slope) and "pipeline per
+    micro-batch" (the slope less the layers' work a stage does, plain PyTorch's slope over K)."""
+    lines = {name: fitted(points) for name, points in medians.items()}
+    layers = lines[peers.BASELINE][1] / STAGES
+    return {name: {"call": call, "micro-batch": slope, "pipeline per micro-batch": slope - layers}
+            for name, (call, slope) in lines.items() if name != peers.BASELINE}
+
+
+def rows(medians: dict[str, dict[int, float]], message_us: dict[str, float],
+         micros=MICROS) -> list[tuple[str, str, str]]:
+    """lab.bench's rows: per contender its microseconds per call, per micro-batch of pipeline work,
+    per task and per message, then its step at M=1 and M=64 beside torch's."""
+    split = parts(medians)
+    torch_name = peers.PipeliningProcesses.name
+    out = []
+    for name, part in split.items():
+        per_task = part["pipeline per micro-batch"] / 2
+        message = message_us.get(name)
+        out.append((f"near-empty K=2, {name}: engine's own time",
+                    f"{part['call'] * 1e6:.0f} us per call, {part['pipeline per micro-batch'] * 1e6:.0f} us per "
+                    f"micro-batch ({per_task * 1e6:.0f} per task, messages included)"
+                    + (f"; a message {message:.0f} us one way" if message is not None else ""),
+                    f"intercept and slope of step time over M = {min(micros)}..{max(micros)}, less plain "
+                    f"PyTorch's layers"))
+    for micro in (min(micros), max(micros)):
+        ours = ", ".join(f"{name.removeprefix('gpipe-lab engine, ')} {torch_step / medians[name][micro]:.2f}x"
+                         for name in split if name.startswith("gpipe-lab")
+                         for torch_step in [medians[torch_name][micro]])
+        out.append((f"near-empty K=2, M={micro}: our step vs torch.distributed.pipelining's", ours,
+                    ">= 1.0x: torch's step time over ours"))
+    return out
+
+
+def message_times(pool, torch_ranks: peers.PipeliningProcesses, work: peers.Workload = NEAR_EMPTY,
+                  micro: int = 8, count: int = 2000) -> dict[str, float]:
+    """Microseconds one activation of M=`micro` takes one way between the two stages: our stage
+    processes (`pool`, a ProcessPool of 2 built with the model) and torch's two ranks over gloo.
+    Threads pass a reference: no message."""
+    numel = work.batch // micro * work.width
+    return {"gpipe-lab engine, processes": pool.ping(count, numel) * 1e6,
+            peers.PipeliningProcesses.name: torch_ranks.ping(count, numel) * 1e6}
+
+
+def measure(pool, tuned_malloc: bool, rounds: int, count: int = 2000, micros=MICROS) -> list[tuple[str, str, str]]:
+    """The near-empty model's rows for lab.bench (`pool`: a ProcessPool of 2 stages)."""
+    pool.build(peers.RECIPE, NEAR_EMPTY.recipe, chunks=8, checkpoint="never")
+    torch_ranks = peers.PipeliningProcesses(NEAR_EMPTY, tuned_malloc)
+    try:
+        messages = message_times(pool, torch_ranks, count=count)
+    except BaseException:
+        torch_ranks.close()
+        raise
+    return rows(sweep(micros=micros, rounds=rounds, pipelining=torch_ranks), messages, micros)  # the race closes them
