@@ -469,7 +469,7 @@ def main(argv=None) -> None:
     parser.add_argument("--quick", action="store_true", help="small model and batch: a smoke run, not a measurement")
     parser.add_argument("--small", action="store_true", help="only the small model's rows (a minute or two)")
     parser.add_argument("--overhead", action="store_true",
-                        help="only the engine's own time per call, task and message, beside torch's (a minute)")
+                        help="only the engine's own time per call, task and message, beside torch's (about 20 s)")
     parser.add_argument("--rounds", type=int, default=7, help="timed rounds per configuration (medians are shown)")
     parser.add_argument("--checkpoint", default="except_last", choices=["always", "except_last", "never"])
     parser.add_argument("--default-malloc", action="store_true",
