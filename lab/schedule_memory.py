@@ -1,0 +1,111 @@
+"""A schedule's activation peak per stage, predicted from where each of its tasks sits.
+
+The prediction replays each stage's task list against what the engine's ledger counts (distinct
+storages saved for backward), measured once per chunk on one micro-batch:
+- F keeps the chunk's input and every tensor its layers save; F of a checkpointed micro-batch keeps
+  its input only, and R saves new tensors (a recompute makes its own, also its own output);
+- a chunk's output is the next chunk's input: on one stage (a V), one storage, counted once;
+- the first chunk's micro-batches are views of the mini-batch: its whole storage counts once while
+  any of them is held;
+- B frees the micro-batch's tensors; with W split off, B keeps what the layers up to the last one
+  with parameters saved (W's graph), and W frees it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from engine.schedule import Schedule, checkpointed
+
+
+@dataclass(frozen=True)
+class ChunkBytes:
+    """What one micro-batch of a chunk holds, in bytes: its input's storage, each other storage its
+    layers save (in order; "out" names the chunk's output when a layer saves it), and which of those
+    W's graph keeps."""
+
+    input: int
+    saved: tuple[tuple[str, int], ...]   # (name, bytes): "0", "1", ... or "out"
+    kept_for_w: frozenset                # names kept from B to W
+
+
+def measure_chunk(layers: nn.Module, sample: torch.Tensor) -> ChunkBytes:
+    """The storages `layers` save for backward on `sample` (one micro-batch), as the ledger counts
+    them (distinct storages, parameters left out), and which of them W's graph keeps: those saved
+    up to the output of the last module that owns parameters (the engine notes those outputs)."""
+    parameters = {p.untyped_storage().data_ptr() for p in layers.parameters()}
+    key = lambda t: t.untyped_storage().data_ptr()
+    order: dict[int, int] = {}           # storage -> bytes, in the order first saved
+    last_weights = [0]                   # how many storages were saved when a parameter owner last returned
+
+    def pack(t: torch.Tensor):
+        if key(t) not in parameters and key(t) not in order and t.untyped_storage().nbytes():
+            order[key(t)] = t.untyped_storage().nbytes()
+        return t
+    def returned(*_) -> None:
+        last_weights[0] = len(order)
+    owners = [m for m in layers.modules() if any(p is not None for p in m._parameters.values())]
+    hooks = [m.register_forward_hook(returned) for m in owners]
+    x = sample.detach().clone().requires_grad_(sample.is_floating_point())  # a storage of its own
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            out = layers(x)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    saved, kept = [], set()
+    for position, (storage, size) in enumerate(order.items()):
+        name = "in" if storage == key(x) else "out" if storage == key(out) else str(position)
+        if name != "in":
+            saved.append((name, size))
+        if position < last_weights[0]:
+            kept.add(name)
+    return ChunkBytes(x.untyped_storage().nbytes(), tuple(saved), frozenset(kept))
+
+
+def peaks(schedule: Schedule, micro_batches: int, checkpoint: str, chunks: list[ChunkBytes],
+          batch_bytes: int) -> list[int]:
+    """Each stage's predicted activation peak in bytes for `schedule` (`chunks[c]`: chunk c's bytes per
+    micro-batch; `batch_bytes`: the mini-batch input's storage, which the first chunk's inputs share)."""
+    split = any(t.op == "W" for tasks in schedule for t in tasks)
+
+    def input_of(c: int, m: int) -> tuple:
+        return ("batch",) if c == 0 else ("F", c - 1, m, "out")   # the previous chunk's output
+    sizes = {("batch",): batch_bytes}
+    result = []
+    for tasks in schedule:
+        held: dict[tuple, int] = {}          # storage -> holders
+        holds: dict[tuple, list] = {}        # (chunk, micro) -> storages it holds
+        peak = 0
+
+        def take(owner: tuple, names: list) -> None:
+            for name in names:
+                held[name] = held.get(name, 0) + 1
+            holds.setdefault(owner, []).extend(names)
+
+        def drop(owner: tuple) -> None:
+            for name in holds.pop(owner, []):
+                held[name] -= 1
+                if not held[name]:
+                    del held[name]
+        for task in tasks:
+            c, m, bytes_ = task.chunk, task.micro, chunks[task.chunk]
+            made_by = "R" if checkpointed(m, micro_batches, checkpoint) else "F"
+            body = [(made_by, c, m, name) for name, _ in bytes_.saved]
+            sizes.update({(made_by, c, m, name): n for name, n in bytes_.saved})
+            sizes.setdefault(input_of(c, m), bytes_.input)
+            if task.op == "F":
+                take((c, m), [input_of(c, m)] + (body if made_by == "F" else []))
+            elif task.op == "R":
+                take((c, m), body)
+            peak = max(peak, sum(sizes[name] for name in held))
+            if task.op == "B" and split:
+                keep = [input_of(c, m)] * ("in" in bytes_.kept_for_w) + [n for n in body if n[-1] in bytes_.kept_for_w]
+                drop((c, m))
+                take((c, m), keep)
+            elif task.op in "BW":
+                drop((c, m))
+        result.append(peak)
+    return result
