@@ -295,8 +295,9 @@ def show_memory(record: RunRecord, config: RunConfig) -> None:
         "Without recompute a stage keeps every layer's activations for all M micro-batches in flight. "
         "With it, a stage keeps only each micro-batch's input and rebuilds one micro-batch's activations "
         "at a time: activation memory drops from O(N·L) to O(N + (L/K)·(N/M)). The bars are peaks measured "
-        "from the tensors autograd saved; the dashes are the formula, fed with per-layer sizes measured on "
-        "one micro-batch.")
+        "from the tensors autograd saved; the dashes are the formula (GPipe's order), fed with per-layer sizes "
+        "measured on one micro-batch, or for a later schedule its own task lists replayed, where each R and W "
+        "sits changing what a stage holds.")
     # memory needs no warm-up: the other recompute setting is one cheap extra step
     if record.config["checkpoint"] == "never":
         never, recomputed = record, side_run(config.but(checkpoint="always"), warmup=0)
@@ -306,7 +307,7 @@ def show_memory(record: RunRecord, config: RunConfig) -> None:
              "predicted_never": a["predicted_activation_bytes"], "predicted_recompute": b["predicted_activation_bytes"]}
             for a, b in zip(never.memory, recomputed.memory)]
     st.plotly_chart(charts.memory_chart(rows, f"Activation memory per stage: recompute off vs "
-                                              f"{recomputed.config['checkpoint']}"), key="memory")
+                                              f"{recomputed.config['checkpoint']}", config.schedule), key="memory")
     extra = task_seconds(recomputed, "R")
     st.caption(f"The price: about one more forward per micro-batch and stage. Here the recomputes took "
                f"{extra * 1e3:.0f} ms, {extra / max(task_seconds(never, 'F'), 1e-9):.1f}x the forwards of the step "

@@ -169,8 +169,9 @@ def boundary_chart(boundary_bytes: Sequence[dict], how: str, param_bytes: int, s
     return figure
 
 
-def memory_chart(rows: Sequence[dict], title: str = "Activation memory per stage") -> go.Figure:
-    """Measured activation peaks per stage without and with recompute, and the formula's values.
+def memory_chart(rows: Sequence[dict], title: str = "Activation memory per stage", schedule: str = "gpipe") -> go.Figure:
+    """Measured activation peaks per stage without and with recompute, and the predicted values: GPipe's
+    formula, or for a later `schedule` its own task lists replayed (lab.schedule_memory).
 
     `rows` has one dict per stage with keys measured_never, measured_recompute, predicted_never,
     predicted_recompute (bytes)."""
@@ -179,8 +180,9 @@ def memory_chart(rows: Sequence[dict], title: str = "Activation memory per stage
     for key, name, color in (("measured_never", "measured, no recompute", "#9D755D"),
                              ("measured_recompute", "measured, recompute", "#F58518")):
         figure.add_trace(go.Bar(name=name, x=names, y=[r[key] / MIB for r in rows], marker_color=color))
-    for key, name in (("predicted_never", "formula N*(input + L/K layers)"),
-                      ("predicted_recompute", "formula N*input + (L/K)(N/M) layers")):
+    labels = (("formula N*(input + L/K layers)", "formula N*input + (L/K)(N/M) layers") if schedule == "gpipe" else
+              (f"{schedule}'s tasks replayed, no recompute", f"{schedule}'s tasks replayed, recompute"))
+    for key, name in zip(("predicted_never", "predicted_recompute"), labels):
         figure.add_trace(go.Scatter(name=name, x=names, y=[r[key] / MIB for r in rows], mode="markers",
                                     marker=dict(symbol="line-ew-open", size=40, line_width=3, color="#333")))
     figure.update_layout(title=title, barmode="group", yaxis_title="MiB", margin=dict(l=10, r=10, t=50, b=40))

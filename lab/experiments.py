@@ -5,6 +5,8 @@ tabulate it and the reproduction CLI can write it to CSV.
 """
 from __future__ import annotations
 
+import copy
+import itertools
 import os
 import statistics
 from contextlib import ExitStack, contextmanager, nullcontext
@@ -20,6 +22,7 @@ from engine.balance import layer_sizes, layer_times
 from engine.device import cpu_cores, spread
 from engine.microbatch import tensors_of
 from engine.partition import even_balance
+from engine.schedule import SCHEDULES, Schedule
 from engine.trace import Event, Message, Trace
 
 from . import host, models, processes, theory
@@ -338,9 +341,11 @@ def solo_events(pipe: GPipe, inputs, targets, loss_fn, repeats: int = 5) -> list
 
 
 def predicted_activation_bytes(config: RunConfig, model: nn.Sequential, inputs, balance: list[int]) -> list[float]:
-    """Per stage, the activation peak that the O(N + (L/K)(N/M)) model predicts (or O(N*L/K)
-    without recompute), from per-layer bytes measured on one micro-batch (GPipe's order; a stage
-    of several chunks is given the sum of its chunks')."""
+    """Per stage, the activation peak predicted from per-layer bytes measured on one micro-batch:
+    for GPipe, the O(N + (L/K)(N/M)) formula (or O(N*L/K) without recompute); for a later schedule,
+    its own task lists replayed by lab.schedule_memory (where each R and W sits matters there)."""
+    if config.schedule != "gpipe":
+        return [float(p) for p in schedule_peaks(config, model, inputs, balance)]
     saved, inputs_per_sample = layer_bytes_per_sample(model, micro_sample(inputs, config))
     recompute = config.checkpoint != "never"
     predictions, first = [0.0] * config.stages, 0
@@ -349,6 +354,25 @@ def predicted_activation_bytes(config: RunConfig, model: nn.Sequential, inputs, 
             saved[first:first + count], inputs_per_sample[first], config.batch, config.micro_batches, recompute)
         first += count
     return predictions
+
+
+def schedule_peaks(config: RunConfig, model: nn.Sequential, inputs, balance: list[int]) -> list[int]:
+    """Each stage's activation peak for the configuration's schedule (lab.schedule_memory), its chunks'
+    storages measured on the model as built, on one micro-batch."""
+    from .schedule_memory import measure_chunk, peaks
+    edges = list(itertools.accumulate(balance, initial=0))
+    sample, chunks = micro_sample(inputs, config), []
+    with torch.random.fork_rng(devices=[]):   # copies of the layers: their batch norm counters and the random state stay
+        for a, b in zip(edges, edges[1:]):
+            layers = copy.deepcopy(nn.Sequential(*list(model)[a:b]))
+            chunks.append(measure_chunk(layers, sample))
+            with torch.no_grad():
+                sample = layers(sample)
+    lists = SCHEDULES[config.schedule].build(config.stages, micro_batch_count(config), config.checkpoint,
+                                             config.virtual_stages)
+    tasks = lists if isinstance(lists, Schedule) else Schedule(lists)
+    return peaks(tasks, micro_batch_count(config), config.checkpoint, chunks,
+                 tensors_of(inputs)[0].untyped_storage().nbytes())
 
 
 def per_layer_bytes(config: RunConfig) -> tuple[list[float], list[float]]:

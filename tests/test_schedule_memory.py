@@ -42,3 +42,19 @@ def test_recomputes_moved_before_every_backward_are_predicted_too():
     measured, predicted = measured_and_predicted(Schedule(early), "always")
     assert all(abs(p - m) <= 0.1 * m for p, m in zip(predicted, measured)), (measured, predicted)
     assert measured[0] > 3 * measured_and_predicted("gpipe", "always")[0][0], "moving R up costs memory"
+
+
+@pytest.mark.parametrize("model", ["mlp", "transformer"])
+def test_a_runs_predicted_peaks_follow_its_schedule(model):
+    """What the app's memory chart draws beside the measured peaks: for a later schedule, its own
+    task lists replayed (GPipe's formula held for 1F1B's stage 1 four times too much before)."""
+    from lab import charts, experiments
+    from lab.config import RunConfig
+    config = RunConfig(model=model, blocks=8 if model == "mlp" else 4, width=32, batch=32, stages=2, micro_batches=8,
+                       checkpoint="except_last", schedule="1f1b")
+    record = experiments.run(config, rounds=1, warmup=0)
+    for stage in record.memory:
+        assert stage["predicted_activation_bytes"] == pytest.approx(stage["activation_peak_bytes"], rel=0.1), stage
+    rows = [dict(measured_never=1, measured_recompute=1, predicted_never=1, predicted_recompute=1)] * 2
+    assert [t.name for t in charts.memory_chart(rows, schedule="1f1b").data][2:] == [
+        "1f1b's tasks replayed, no recompute", "1f1b's tasks replayed, recompute"]
