@@ -368,6 +368,7 @@ def show_schedules(config: RunConfig) -> None:
                    "bubble": f"{r.timeline.bubble:.0%}", "bubble, theory": f"{r.theory_bubble:.0%}",
                    "makespan (ms)": round(r.timeline.makespan * 1e3, 1),
                    "activation peak per stage (KiB)": ", ".join(f"{p / 1024:.0f}" for p in r.peaks),
+                   "predicted from its tasks (KiB)": ", ".join(f"{p / 1024:.0f}" for p in r.predicted_peaks),
                    "micro-batches held, theory": ", ".join(f"{n:g}" for n in r.theory_in_flight())}
                   for r in runs], hide_index=True)
 
@@ -462,6 +463,7 @@ def show_writer(record: RunRecord, config: RunConfig) -> None:
                     key="writer_measured")
     st.dataframe([{"schedule": r.label, "makespan (ms)": round(r.timeline.makespan * 1e3, 1),
                    "activation peak per stage (KiB)": ", ".join(f"{p / 1024:.0f}" for p in r.peaks),
+                   "predicted from its tasks (KiB)": ", ".join(f"{p / 1024:.0f}" for p in r.predicted_peaks),
                    "gradients": schedule_writer.exactness_line(r)} for r in runs], hide_index=True)
 
 

@@ -356,9 +356,10 @@ def predicted_activation_bytes(config: RunConfig, model: nn.Sequential, inputs, 
     return predictions
 
 
-def schedule_peaks(config: RunConfig, model: nn.Sequential, inputs, balance: list[int]) -> list[int]:
-    """Each stage's activation peak for the configuration's schedule (lab.schedule_memory), its chunks'
-    storages measured on the model as built, on one micro-batch."""
+def schedule_peaks(config: RunConfig, model: nn.Sequential, inputs, balance: list[int],
+                   tasks: Optional[Schedule] = None) -> list[int]:
+    """Each stage's activation peak for the configuration's schedule, or the written `tasks`
+    (lab.schedule_memory), its chunks' storages measured on the model as built, on one micro-batch."""
     from .schedule_memory import measure_chunk, peaks
     edges = list(itertools.accumulate(balance, initial=0))
     sample, chunks = micro_sample(inputs, config), []
@@ -368,9 +369,10 @@ def schedule_peaks(config: RunConfig, model: nn.Sequential, inputs, balance: lis
             chunks.append(measure_chunk(layers, sample))
             with torch.no_grad():
                 sample = layers(sample)
-    lists = SCHEDULES[config.schedule].build(config.stages, micro_batch_count(config), config.checkpoint,
-                                             config.virtual_stages)
-    tasks = lists if isinstance(lists, Schedule) else Schedule(lists)
+    if tasks is None:
+        lists = SCHEDULES[config.schedule].build(config.stages, micro_batch_count(config), config.checkpoint,
+                                                 config.virtual_stages)
+        tasks = lists if isinstance(lists, Schedule) else Schedule(lists)
     return peaks(tasks, micro_batch_count(config), config.checkpoint, chunks,
                  tensors_of(inputs)[0].untyped_storage().nbytes())
 

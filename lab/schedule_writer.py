@@ -230,8 +230,8 @@ def replayed(schedule: Schedule, events: list[dict], virtual: int, latency: floa
 
 @dataclass(frozen=True)
 class Ran:
-    """A schedule's real steps: the median step's measured timeline, each stage's activation peak,
-    how far its gradients are from the reference (`reference` says which), and each measured
+    """A schedule's real steps: the median step's measured timeline, each stage's activation peak
+    (and the one its task lists predict), how far its gradients are from the reference (`reference` says which), and each measured
     round's step (seconds) and bubble, measured beside the other schedule's in the same rounds."""
 
     label: str
@@ -241,6 +241,7 @@ class Ran:
     reference: str
     steps: tuple = ()
     bubbles: tuple = ()
+    predicted_peaks: tuple = ()   # each stage's, from where its tasks sit (lab.schedule_memory)
 
 
 def run_beside_gpipe(config: RunConfig, schedule: Schedule, rounds: int = 1) -> list[Ran]:
@@ -251,7 +252,7 @@ def run_beside_gpipe(config: RunConfig, schedule: Schedule, rounds: int = 1) -> 
     optimizer steps) against the unpipelined step on the whole mini-batch (against GPipe's, for a
     model with dropout, whose masks the pipeline draws per micro-batch)."""
     from .exactness import has_dropout, unpipelined_gradients  # torch loads here, not with the page
-    from .experiments import build, choose_balance, stepper_for
+    from .experiments import build, choose_balance, schedule_peaks, stepper_for
     from .replay import measured
 
     if rounds < 1:
@@ -265,11 +266,14 @@ def run_beside_gpipe(config: RunConfig, schedule: Schedule, rounds: int = 1) -> 
     sides = (("written", config.but(virtual_stages=virtual), schedule),
              ("GPipe", config.but(schedule="gpipe", virtual_stages=1), None))
     traces: dict[str, list] = {label: [] for label, _, _ in sides}
-    gradients = {}
+    gradients, predicted = {}, {}
     for number in range(rounds + 1):  # round 0 warms up: the first step pays for allocations
         for label, setting, written in sides:
             model, (inputs, targets), loss_fn = build(setting)
-            with stepper_for(setting, choose_balance(setting, model, inputs), model, schedule=written) as stepper:
+            balance = choose_balance(setting, model, inputs)
+            if not number:  # on the model as built, before a pipe moves it
+                predicted[label] = tuple(schedule_peaks(setting, model, inputs, balance, written))
+            with stepper_for(setting, balance, model, schedule=written) as stepper:
                 stepper.step(inputs, targets, loss_fn)
                 if number:
                     traces[label].append(stepper.step(inputs, targets, loss_fn)[1])
@@ -284,7 +288,7 @@ def run_beside_gpipe(config: RunConfig, schedule: Schedule, rounds: int = 1) -> 
                         [m.activation_peak_bytes for m in median.memory],
                         max(float((a.cpu() - b.cpu()).abs().max()) for a, b in zip(gradients[label], reference)),
                         "GPipe's gradients" if dropout else "the unpipelined step",
-                        tuple(t.makespan for t in steps), tuple(t.bubble for t in steps)))
+                        tuple(t.makespan for t in steps), tuple(t.bubble for t in steps), predicted[label]))
     return runs
 
 

@@ -382,6 +382,9 @@ def test_a_written_schedule_is_checked_predicted_and_run_beside_gpipe(app):
     assert list(table["schedule"]) == ["written", "GPipe"]
     for line in table["gradients"]:  # the zoo's mlp has no dropout: both against the unpipelined step
         assert "from the unpipelined step" in line and float(line.rsplit(" ", 1)[1]) < 1e-5, line
+    for measured, predicted in zip(table["activation peak per stage (KiB)"], table["predicted from its tasks (KiB)"]):
+        pairs = zip(map(int, measured.split(", ")), map(int, predicted.split(", ")))  # each R and W where it sits
+        assert all(abs(p - m) <= 0.1 * m + 1 for m, p in pairs), (measured, predicted)
     spec = json.loads(next(c for c in app.get("plotly_chart") if "writer_measured" in c.proto.id).proto.spec)
     assert {t["name"] for t in spec["data"]} >= {"forward", "backward", "weight gradient"}
     small(app, stages=3, micro=3, blocks=4, recompute="off")  # ZB-V's 6 chunks, but 4 layers
