@@ -368,7 +368,7 @@ def show_schedules(config: RunConfig) -> None:
                    "bubble": f"{r.timeline.bubble:.0%}", "bubble, theory": f"{r.theory_bubble:.0%}",
                    "makespan (ms)": round(r.timeline.makespan * 1e3, 1),
                    "activation peak per stage (KiB)": ", ".join(f"{p / 1024:.0f}" for p in r.peaks),
-                   "predicted from its tasks (KiB)": ", ".join(f"{p / 1024:.0f}" for p in r.predicted_peaks),
+                   "predicted (KiB)": ", ".join(f"{m['predicted_activation_bytes'] / 1024:.0f}" for m in r.record.memory),
                    "micro-batches held, theory": ", ".join(f"{n:g}" for n in r.theory_in_flight())}
                   for r in runs], hide_index=True)
 
