@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from engine.schedule import Schedule, checkpointed
+from engine.schedule import Schedule, Task, checkpointed
 
 
 @dataclass(frozen=True)
@@ -65,10 +65,11 @@ def measure_chunk(layers: nn.Module, sample: torch.Tensor) -> ChunkBytes:
     return ChunkBytes(x.untyped_storage().nbytes(), tuple(saved), frozenset(kept))
 
 
-def peaks(schedule: Schedule, micro_batches: int, checkpoint: str, chunks: list[ChunkBytes],
-          batch_bytes: int) -> list[int]:
-    """Each stage's predicted activation peak in bytes for `schedule` (`chunks[c]`: chunk c's bytes per
-    micro-batch; `batch_bytes`: the mini-batch input's storage, which the first chunk's inputs share)."""
+def footprints(schedule: Schedule, micro_batches: int, checkpoint: str, chunks: list[ChunkBytes],
+               batch_bytes: int) -> list[list[tuple[Task, int]]]:
+    """Per stage, each task with the activation bytes the stage holds once it has run (before a
+    backward frees what it used: the moment of the peak). `chunks[c]`: chunk c's bytes per
+    micro-batch; `batch_bytes`: the mini-batch input's storage, which the first chunk's inputs share."""
     split = any(t.op == "W" for tasks in schedule for t in tasks)
 
     def input_of(c: int, m: int) -> tuple:
@@ -78,7 +79,7 @@ def peaks(schedule: Schedule, micro_batches: int, checkpoint: str, chunks: list[
     for tasks in schedule:
         held: dict[tuple, int] = {}          # storage -> holders
         holds: dict[tuple, list] = {}        # (chunk, micro) -> storages it holds
-        peak = 0
+        line = []
 
         def take(owner: tuple, names: list) -> None:
             for name in names:
@@ -100,12 +101,35 @@ def peaks(schedule: Schedule, micro_batches: int, checkpoint: str, chunks: list[
                 take((c, m), [input_of(c, m)] + (body if made_by == "F" else []))
             elif task.op == "R":
                 take((c, m), body)
-            peak = max(peak, sum(sizes[name] for name in held))
+            line.append((task, sum(sizes[name] for name in held)))
             if task.op == "B" and split:
                 keep = [input_of(c, m)] * ("in" in bytes_.kept_for_w) + [n for n in body if n[-1] in bytes_.kept_for_w]
                 drop((c, m))
                 take((c, m), keep)
             elif task.op in "BW":
                 drop((c, m))
-        result.append(peak)
+        result.append(line)
     return result
+
+
+def peaks(schedule: Schedule, micro_batches: int, checkpoint: str, chunks: list[ChunkBytes],
+          batch_bytes: int) -> list[int]:
+    """Each stage's predicted activation peak in bytes for `schedule` (see `footprints`)."""
+    return [max((held for _, held in line), default=0)
+            for line in footprints(schedule, micro_batches, checkpoint, chunks, batch_bytes)]
+
+
+def check_cap(schedule: Schedule, micro_batches: int, checkpoint: str, chunks: list[ChunkBytes],
+              batch_bytes: int, cap) -> None:
+    """Raise a ValueError naming the first stage and task at which the schedule's activations would
+    pass `cap` bytes (one number for every stage, or one per stage)."""
+    schedule = schedule if isinstance(schedule, Schedule) else Schedule(schedule)
+    lines = footprints(schedule, micro_batches, checkpoint, chunks, batch_bytes)
+    caps = list(cap) if isinstance(cap, (list, tuple)) else [cap] * len(lines)
+    if len(caps) != len(lines):
+        raise ValueError(f"{len(caps)} caps for {len(lines)} stages: expected one number, or one per stage")
+    for k, (line, limit) in enumerate(zip(lines, caps)):
+        for task, held in line:
+            if held > limit:
+                raise ValueError(f"stage {k} holds {held} bytes of activations after {schedule.label(task)}, "
+                                 f"over its cap of {limit}")

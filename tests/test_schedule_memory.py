@@ -24,6 +24,11 @@ def measured_and_predicted(schedule, checkpoint, virtual=1):
     return [m.activation_peak_bytes for m in pipe.trace.memory], predicted
 
 
+def recomputes_first(tasks: list) -> Schedule:
+    """Each stage's forwards, then all its recomputes, then its backwards, each in their order."""
+    return Schedule([[t for op in "FRB" for t in line if t.op == op] for line in tasks])
+
+
 @pytest.mark.parametrize("checkpoint", ["never", "always", "except_last"])
 @pytest.mark.parametrize("name", list(SCHEDULES))
 def test_every_built_in_schedules_peak_is_predicted_per_stage(name, checkpoint):
@@ -35,11 +40,7 @@ def test_recomputes_moved_before_every_backward_are_predicted_too():
     """GPipe's order with every R moved up, right after the last F: the stage then holds every
     micro-batch's recomputed tensors at once, as without checkpointing (where the lab's GPipe formula,
     which puts each R just before its B, says far less)."""
-    early = []
-    for tasks in gpipe(2, M, "always"):
-        forwards = [t for t in tasks if t.op == "F"]
-        early.append(forwards + [t for t in tasks if t.op == "R"] + [t for t in tasks if t.op == "B"])
-    measured, predicted = measured_and_predicted(Schedule(early), "always")
+    measured, predicted = measured_and_predicted(recomputes_first(gpipe(2, M, "always")), "always")
     assert all(abs(p - m) <= 0.1 * m for p, m in zip(predicted, measured)), (measured, predicted)
     assert measured[0] > 3 * measured_and_predicted("gpipe", "always")[0][0], "moving R up costs memory"
 
@@ -58,3 +59,21 @@ def test_a_runs_predicted_peaks_follow_its_schedule(model):
     rows = [dict(measured_never=1, measured_recompute=1, predicted_never=1, predicted_recompute=1)] * 2
     assert [t.name for t in charts.memory_chart(rows, schedule="1f1b").data][2:] == [
         "1f1b's tasks replayed, no recompute", "1f1b's tasks replayed, recompute"]
+
+
+def test_a_memory_cap_per_stage_is_checked_and_the_first_task_past_it_named():
+    """Under a cap GPipe meets (its measured stage-0 peak), GPipe passes and the same tasks with every
+    R moved up are refused at the recompute that passes it."""
+    torch.manual_seed(0)
+    x = torch.randn(32, 32)
+    pipe = GPipe(build_mlp(8, 32), 2, chunks=M, checkpoint="always", threads_per_stage=1)
+    chunks = [schedule_memory.measure_chunk(part, x[: 32 // M]) for part in pipe.partitions]
+    pipe.close()
+    cap, whole = measured_and_predicted("gpipe", "always")[0][0], x.untyped_storage().nbytes()
+    plain = gpipe(2, M, "always")
+    schedule_memory.check_cap(Schedule(plain), M, "always", chunks, whole, cap)
+    early = recomputes_first(plain)
+    with pytest.raises(ValueError, match=rf"stage 0 holds \d+ bytes of activations after R\d, over its cap of {cap}"):
+        schedule_memory.check_cap(early, M, "always", chunks, whole, cap)
+    with pytest.raises(ValueError, match="3 caps for 2 stages"):
+        schedule_memory.check_cap(early, M, "always", chunks, whole, [cap] * 3)
