@@ -442,10 +442,10 @@ def call_parts(traces: list, seconds: list[float]) -> str:
             f"planning and the trace {median_us([s - t.wall for s, t in zip(seconds, traces)]):.0f} us")
 
 
-def overhead_rows(pool: ProcessPool, tuned: bool, rounds: int, count: int) -> list[tuple[str, str, str]]:
-    """The near-empty model's rows (lab/overhead.py), then where its M=1 call's time goes in stage
-    processes (call_parts over traced steps, after a warm-up step)."""
-    rows = overhead.measure(pool, tuned, rounds, count, micros=(1, 4, 16) if count < 2000 else overhead.MICROS)
+def overhead_rows(pool: ProcessPool, tuned: bool, rounds: int, count: int, micros) -> list[tuple[str, str, str]]:
+    """The near-empty model's rows (lab/overhead.py) at M in `micros`, then where its M=1 call's time
+    goes in stage processes (call_parts over traced steps, after a warm-up step)."""
+    rows = overhead.measure(pool, tuned, rounds, count, micros)
     work = overhead.NEAR_EMPTY
     step = process_step(pool, work.width, work.blocks, 1, checkpoint="never", threads_per_stage=1)
     x, y = work.data()
@@ -493,14 +493,14 @@ def main(argv=None) -> None:
             ProcessPool(1, threads_per_stage=1, keep_freed_memory=tuned) as second_half:
         lanes, halves = {"shared memory": pool, "shared memory, waits asleep": sleepy_pool, "gloo": gloo_pool}, \
             (first_half, second_half)
-        count = 200 if args.quick else 2000
+        count, micros = (200, (1, 4, 16)) if args.quick else (2000, overhead.MICROS)
         if args.overhead:
-            print(format_table(overhead_rows(pool, tuned, rounds, count)))
+            print(format_table(overhead_rows(pool, tuned, rounds, count, micros)))
         elif args.small:
             print(format_table(small_rows(small, rounds, lanes, halves)))
         else:
             table = run(width, layers, batch, rounds, args.checkpoint, small, lanes, halves)
-            print(format_table(table + overhead_rows(pool, tuned, rounds, count)))
+            print(format_table(table + overhead_rows(pool, tuned, rounds, count, micros)))
 
 
 if __name__ == "__main__":

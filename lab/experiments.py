@@ -360,21 +360,15 @@ def schedule_peaks(config: RunConfig, model: nn.Sequential, inputs, balance: lis
                    tasks: Optional[Schedule] = None) -> list[int]:
     """Each stage's activation peak for the configuration's schedule, or the written `tasks`
     (lab.schedule_memory), its chunks' storages measured on the model as built, on one micro-batch."""
-    from .schedule_memory import measure_chunk, peaks
+    from .schedule_memory import measure_chunks, peaks
     edges = list(itertools.accumulate(balance, initial=0))
-    sample, chunks = micro_sample(inputs, config), []
+    parts = [copy.deepcopy(nn.Sequential(*list(model)[a:b])) for a, b in zip(edges, edges[1:])]
     with torch.random.fork_rng(devices=[]):   # copies of the layers: their batch norm counters and the random state stay
-        for a, b in zip(edges, edges[1:]):
-            layers = copy.deepcopy(nn.Sequential(*list(model)[a:b]))
-            chunks.append(measure_chunk(layers, sample))
-            with torch.no_grad():
-                sample = layers(sample)
+        chunks = measure_chunks(parts, micro_sample(inputs, config))
+    micro = micro_batch_count(config)
     if tasks is None:
-        lists = SCHEDULES[config.schedule].build(config.stages, micro_batch_count(config), config.checkpoint,
-                                                 config.virtual_stages)
-        tasks = lists if isinstance(lists, Schedule) else Schedule(lists)
-    return peaks(tasks, micro_batch_count(config), config.checkpoint, chunks,
-                 tensors_of(inputs)[0].untyped_storage().nbytes())
+        tasks = Schedule(SCHEDULES[config.schedule](config.stages, micro, config.checkpoint, config.virtual_stages))
+    return peaks(tasks, micro, config.checkpoint, chunks, tensors_of(inputs)[0].untyped_storage().nbytes())
 
 
 def per_layer_bytes(config: RunConfig) -> tuple[list[float], list[float]]:

@@ -67,9 +67,9 @@ def rows(medians: dict[str, dict[int, float]], message_us: dict[str, float],
                     f"intercept and slope of step time over M = {min(micros)}..{max(micros)}, less plain "
                     f"PyTorch's layers"))
     for micro in (min(micros), max(micros)):
+        torch_step = medians[torch_name][micro]
         ours = ", ".join(f"{name.removeprefix('gpipe-lab engine, ')} {torch_step / medians[name][micro]:.2f}x"
-                         for name in split if name.startswith("gpipe-lab")
-                         for torch_step in [medians[torch_name][micro]])
+                         for name in split if name.startswith("gpipe-lab"))
         out.append((f"near-empty K=2, M={micro}: our step vs torch.distributed.pipelining's", ours,
                     ">= 1.0x: torch's step time over ours"))
     return out

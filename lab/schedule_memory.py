@@ -31,10 +31,20 @@ class ChunkBytes:
     kept_for_w: frozenset                # names kept from B to W
 
 
-def measure_chunk(layers: nn.Module, sample: torch.Tensor) -> ChunkBytes:
-    """The storages `layers` save for backward on `sample` (one micro-batch), as the ledger counts
-    them (distinct storages, parameters left out), and which of them W's graph keeps: those saved
-    up to the output of the last module that owns parameters (the engine notes those outputs)."""
+def measure_chunks(chunks: list[nn.Module], sample: torch.Tensor) -> list[ChunkBytes]:
+    """Each chunk's storages saved for backward on one micro-batch (`sample`, the first chunk's input;
+    each chunk's output is the next one's), as the ledger counts them (distinct storages,
+    parameters left out), and which of them W's graph keeps: those saved up to the output of the
+    last module that owns parameters (the engine notes those outputs)."""
+    measured = []
+    for layers in chunks:
+        bytes_, sample = _measure(layers, sample)
+        measured.append(bytes_)
+    return measured
+
+
+def _measure(layers: nn.Module, sample: torch.Tensor) -> tuple[ChunkBytes, torch.Tensor]:
+    """One chunk's bytes (`measure_chunks`) and its output, detached."""
     parameters = {p.untyped_storage().data_ptr() for p in layers.parameters()}
     key = lambda t: t.untyped_storage().data_ptr()
     order: dict[int, int] = {}           # storage -> bytes, in the order first saved
@@ -44,6 +54,7 @@ def measure_chunk(layers: nn.Module, sample: torch.Tensor) -> ChunkBytes:
         if key(t) not in parameters and key(t) not in order and t.untyped_storage().nbytes():
             order[key(t)] = t.untyped_storage().nbytes()
         return t
+
     def returned(*_) -> None:
         last_weights[0] = len(order)
     owners = [m for m in layers.modules() if any(p is not None for p in m._parameters.values())]
@@ -62,7 +73,7 @@ def measure_chunk(layers: nn.Module, sample: torch.Tensor) -> ChunkBytes:
             saved.append((name, size))
         if position < last_weights[0]:
             kept.add(name)
-    return ChunkBytes(x.untyped_storage().nbytes(), tuple(saved), frozenset(kept))
+    return ChunkBytes(x.untyped_storage().nbytes(), tuple(saved), frozenset(kept)), out.detach()
 
 
 def footprints(schedule: Schedule, micro_batches: int, checkpoint: str, chunks: list[ChunkBytes],

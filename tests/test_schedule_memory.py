@@ -18,7 +18,7 @@ def measured_and_predicted(schedule, checkpoint, virtual=1):
     pipe = GPipe(build_mlp(8, 32), 2, chunks=M, checkpoint=checkpoint, schedule=schedule, virtual_stages=virtual,
                  threads_per_stage=1)
     pipe.step(x, y, torch.nn.functional.mse_loss)
-    chunks = [schedule_memory.measure_chunk(part, x[: 32 // M]) for part in pipe.partitions]
+    chunks = schedule_memory.measure_chunks(pipe.partitions, x[: 32 // M])
     predicted = schedule_memory.peaks(pipe.task_lists(M), M, checkpoint, chunks, x.untyped_storage().nbytes())
     pipe.close()
     return [m.activation_peak_bytes for m in pipe.trace.memory], predicted
@@ -67,7 +67,7 @@ def test_a_memory_cap_per_stage_is_checked_and_the_first_task_past_it_named():
     torch.manual_seed(0)
     x = torch.randn(32, 32)
     pipe = GPipe(build_mlp(8, 32), 2, chunks=M, checkpoint="always", threads_per_stage=1)
-    chunks = [schedule_memory.measure_chunk(part, x[: 32 // M]) for part in pipe.partitions]
+    chunks = schedule_memory.measure_chunks(pipe.partitions, x[: 32 // M])
     pipe.close()
     cap, whole = measured_and_predicted("gpipe", "always")[0][0], x.untyped_storage().nbytes()
     plain = gpipe(2, M, "always")
