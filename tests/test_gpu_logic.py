@@ -97,15 +97,20 @@ class _EdgeGroup(_NcclGroup):
     recv = send
 
 
+def _unmatched_edges(monkeypatch) -> dict:
+    """Two NCCL edges whose peer never posts its side of the probe, on a faked GPU, their aborts recorded."""
+    monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
+    monkeypatch.setattr(torch, "zeros", lambda *shape, device=None: torch.empty(0))
+    monkeypatch.setattr(gloo_lane, "abort_groups", lambda groups: [group.abort() for group in groups])
+    return {("act", 0, 1): (_EdgeGroup(), 1), ("grad", 1, 0): (_EdgeGroup(), 1)}
+
+
 @pytest.mark.parametrize("told", [False, True], ids=["peer silent", "failure told in the store"])
 def test_a_peer_dying_while_the_pipe_is_built_ends_connect_with_the_edges_named(monkeypatch, told):
     """connect() polls its probes instead of synchronizing the device: a peer that died while the pipe
     was built (its probe never matched) ends the wait at the deadline, or at once when a failure is
     told in the store, with every edge's group aborted."""
-    monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
-    monkeypatch.setattr(torch, "zeros", lambda *shape, device=None: torch.empty(0))
-    monkeypatch.setattr(gloo_lane, "abort_groups", lambda groups: [group.abort() for group in groups])
-    edges = {("act", 0, 1): (_EdgeGroup(), 1), ("grad", 1, 0): (_EdgeGroup(), 1)}
+    edges = _unmatched_edges(monkeypatch)
     store = dist.HashStore()
     if told:
         store.set("broken", "[rank 1, stage 1] failed: CUDA out of memory")
@@ -125,10 +130,7 @@ def test_a_peer_dying_while_the_pipe_is_built_ends_connect_with_the_edges_named(
 def test_connect_aborts_its_edges_however_it_ends(monkeypatch):
     """Not only a peer's failure: the Store failing, NCCL refusing a probe or Ctrl-C while the pipe
     is built leave no edge holding a posted probe (the lane's close then skips NCCL's groups)."""
-    monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
-    monkeypatch.setattr(torch, "zeros", lambda *shape, device=None: torch.empty(0))
-    monkeypatch.setattr(gloo_lane, "abort_groups", lambda groups: [group.abort() for group in groups])
-    edges = {("act", 0, 1): (_EdgeGroup(), 1), ("grad", 1, 0): (_EdgeGroup(), 1)}
+    edges = _unmatched_edges(monkeypatch)
 
     def store_gone():
         raise RuntimeError("Connection reset by peer (the Store)")
