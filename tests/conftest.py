@@ -31,6 +31,7 @@ def temporary_folder_of_the_run(tmp_path_factory):
     os.environ["TMPDIR"] = tempfile.tempdir = str(tmp_path_factory.mktemp("tmp"))
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the groups into the test ids
 def pytest_collection_modifyitems(items):
     for item in items:
         for fixture, group in SHARED_FIXTURES.items():
