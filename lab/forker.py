@@ -34,8 +34,11 @@ from typing import Optional
 
 PROJECT_ROOT = str(Path(__file__).resolve().parents[1])  # the folder that holds the engine and lab packages
 REAP_SECONDS = 0.05  # how often the forker reaps its children, reports their exit codes and looks for its parent
-PRELOADED = ("torch",)  # imported once in the forker for every child (the lab's own code is not: a
-                        # notebook that edits it gets the new code in its next pool, as with fresh processes)
+# Imported once in the forker for every child (the lab's own code is not: a notebook that edits it gets
+# the new code in its next pool, as with fresh processes). torch imports torch._dynamo on a process's
+# first optimizer and symbolic_shapes (sympy) on its first backward given gradients, about 1.5 s of CPU
+# together (torch._dynamo brings both): every stage process does both.
+PRELOADED = ("torch", "torch._dynamo")
 LOST = -1  # the exit code of a child whose forker was killed before it could report one
 
 

@@ -1,4 +1,5 @@
-"""Small models and data shared by the engine tests, and how the suite runs in parallel."""
+"""Data shared by the engine tests (their small models: tests/small_models.py), and how the suite
+runs in parallel."""
 import os
 import tempfile
 
@@ -14,7 +15,6 @@ if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1:
     os.environ.setdefault("GPIPE_SPIN_SECONDS", "0")
 
 import torch  # noqa: E402  (after OMP_WAIT_POLICY, which OpenMP reads when torch loads it)
-from torch import nn
 
 # Tests that share a costly module fixture run on one pytest-xdist worker (--dist loadgroup), so that
 # it starts once: the browser tests' server, the process tests' pools, the breakdown's records, the
@@ -39,58 +39,7 @@ def pytest_collection_modifyitems(items):
                 item.add_marker(pytest.mark.xdist_group(group))
 
 
-def mlp(width=16, depth=4, dropout=0.0, batch_norm=False, out=3, dtype=torch.float32, seed=0):
-    """A Linear/(BatchNorm|Dropout)/ReLU stack as an nn.Sequential, identically initialized per seed."""
-    torch.manual_seed(seed)
-    layers = []
-    for _ in range(depth):
-        layers.append(nn.Linear(width, width))
-        if batch_norm:
-            layers.append(nn.BatchNorm1d(width))
-        if dropout:
-            layers.append(nn.Dropout(dropout))
-        layers.append(nn.ReLU())
-    layers.append(nn.Linear(width, out))
-    return nn.Sequential(*layers).to(dtype)
-
-
-def grads(model):
-    return [p.grad.clone() for p in model.parameters()]
-
-
 @pytest.fixture
 def batch():
     torch.manual_seed(1)
     return torch.randn(24, 16), torch.randint(0, 3, (24,))
-
-
-class _Split(nn.Module):
-    """Turns a tensor into (features, keep): a tuple value with a bool entry, as stages may pass."""
-
-    def forward(self, x):
-        return x, x[:, :1] > -0.5
-
-
-class _Masked(nn.Module):
-    def __init__(self, width):
-        super().__init__()
-        self.linear = nn.Linear(width, width)
-
-    def forward(self, pair):
-        x, keep = pair
-        return torch.relu(self.linear(x)) * keep, keep
-
-
-class _Head(nn.Module):
-    def __init__(self, width, out):
-        super().__init__()
-        self.linear = nn.Linear(width, out)
-
-    def forward(self, pair):
-        return self.linear(pair[0])
-
-
-def pair_model(width=16, out=3, seed=0):
-    """Layers that hand on (features, bool mask) tuples; their gradients come back as (grad, None)."""
-    torch.manual_seed(seed)
-    return nn.Sequential(_Split(), _Masked(width), _Masked(width), _Masked(width), _Head(width, out))

@@ -20,7 +20,7 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from conftest import mlp  # noqa: E402
+from small_models import mlp  # noqa: E402
 from engine import GPipe  # noqa: E402
 from engine.partition import split  # noqa: E402
 

@@ -51,7 +51,7 @@ class PoolToKill:
         os.setsid()
         forkers._forker = ForkedForker()
         pool = ProcessPool(2)
-        pool.build("conftest:mlp", {"width": 64}, chunks=8)
+        pool.build("small_models:mlp", {"width": 64}, chunks=8)
         x, y = torch.randn(256, 64), torch.randint(0, 3, (256,))
 
         def step_forever() -> None:

@@ -13,7 +13,7 @@ from torch import nn
 
 from engine import GPipe
 from engine.device import StageDevice, pinned
-from conftest import grads, mlp
+from small_models import grads, mlp
 from lab.doctor import GPU_TOLERANCE, out_of_order, relative_difference, trace_slack
 from lab.host import exclusive_gpus
 
@@ -110,7 +110,7 @@ def test_a_pool_started_with_a_local_rank_puts_stage_k_on_gpu_k(monkeypatch, kin
     torch.manual_seed(1)
     x, y = torch.randn(32, 16), torch.randint(0, 3, (32,))
     with ProcessPool(2, timeout=120, device=kind) as pool:
-        pool.build("conftest:mlp", {}, chunks=4)
+        pool.build("small_models:mlp", {}, chunks=4)
         pool.step(x, y, LOSS)
         placed = {e.stage: e.device for e in pool.trace.events}
     assert placed == ({0: "cuda:0", 1: "cuda:1"} if kind == "cuda" else {0: "cpu", 1: "cpu"})

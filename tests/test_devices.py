@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from conftest import mlp
+from small_models import mlp
 from engine import GPipe
 from engine import schedule as schedules
 from engine.device import StageDevice, home_device, resolve_devices

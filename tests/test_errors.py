@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from engine import GPipe
-from conftest import mlp
+from small_models import mlp
 
 LOSS = nn.CrossEntropyLoss()
 

@@ -4,7 +4,7 @@ import torch
 from torch import nn
 
 from engine import GPipe
-from conftest import grads, mlp
+from small_models import grads, mlp
 
 LOSS = nn.CrossEntropyLoss()
 

@@ -6,7 +6,7 @@ from torch import nn
 from torch.optim.swa_utils import update_bn
 
 from engine import GPipe, balance_by_size, balance_by_time
-from conftest import grads, mlp
+from small_models import grads, mlp
 
 LOSS = nn.CrossEntropyLoss()
 

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from engine import GPipe
-from conftest import mlp
+from small_models import mlp
 
 
 def resident_bytes() -> int:

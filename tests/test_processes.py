@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch import nn
 
-from conftest import mlp, pair_model
+from small_models import mlp, pair_model
 from launch import shm_left, shm_prefix
 from lab.process_tree import descendants
 from listeners import beyond_loopback, listening
@@ -74,7 +74,7 @@ def test_three_optimizer_steps_bitwise_equal_to_threads(pools, batch, stages, la
         for checkpoint in ("never", "always"):
             options = dict(balance=stages, chunks=2 * stages, seed=7, schedule=schedule, checkpoint=checkpoint,
                            deferred_batch_norm=True, virtual_stages=virtual)
-            pool.build("conftest:mlp", dict(dropout=0.3, batch_norm=True), optimizer=("torch.optim.SGD", {"lr": 0.1}),
+            pool.build("small_models:mlp", dict(dropout=0.3, batch_norm=True), optimizer=("torch.optim.SGD", {"lr": 0.1}),
                        **options)
             losses = [pool.step(*batch, LOSS) for _ in range(3)]
             assert all(torch.equal(loss, pool.losses[0]) for loss in pool.losses), "every rank returns the loss"
@@ -91,7 +91,7 @@ def test_uneven_micro_batches_tuples_and_forward_cross_processes(pools):
     pool = pools(2)
     torch.manual_seed(3)
     x, y = torch.randn(23, 16), torch.randint(0, 3, (23,))  # torch.chunk: 6, 6, 6, 5
-    pool.build("conftest:pair_model", {}, balance=[2, 3], chunks=4)
+    pool.build("small_models:pair_model", {}, balance=[2, 3], chunks=4)
     loss = pool.step(x, y, LOSS)
     reference = pair_model()
     expected = LOSS(reference(x), y)
@@ -112,7 +112,7 @@ def test_uneven_micro_batches_tuples_and_forward_cross_processes(pools):
 def test_a_failing_stage_is_raised_here_and_the_pool_still_works(pools, batch):
     pool = pools(2)
     x, y = batch
-    pool.build("conftest:mlp", {}, chunks=4)
+    pool.build("small_models:mlp", {}, chunks=4)
     start = time.monotonic()
     with pytest.raises(RuntimeError, match=r"\[rank 0, stage 0, micro-batch 0, forward \(F0\)\] mat1 and mat2"):
         pool.step(x[:, :5], y, LOSS)
@@ -228,7 +228,7 @@ def test_a_pool_listens_on_loopback_only(pools, batch):
     gloo to loopback, also on its gloo lane."""
     before = listening([os.getpid()])
     pool = pools(2, "gloo")
-    pool.build("conftest:mlp", {}, chunks=4)
+    pool.build("small_models:mlp", {}, chunks=4)
     pool.step(*batch, LOSS)
     sockets = listening([os.getpid(), *pool.pids])
     assert {pid for pid, _, _ in sockets} == set(pool.pids) and listening([os.getpid()]) == before, sockets
@@ -258,7 +258,7 @@ def test_a_pool_closes_without_waiting_out_a_timeout(batch, lane):
     a close waits out a timeout, not when the host is slow."""
     x, y = batch
     pool = ProcessPool(2, lane=lane)
-    pool.build("conftest:mlp", {}, chunks=4)
+    pool.build("small_models:mlp", {}, chunks=4)
     pool.step(x, y, LOSS)
     start = time.monotonic()
     pool.close()
@@ -271,7 +271,7 @@ def test_a_killed_stage_process_is_reported_and_the_pool_leaves_nothing(batch):
     x, y = batch
     pool = ProcessPool(2)
     pids = pool.pids
-    pool.build("conftest:mlp", {}, chunks=4)
+    pool.build("small_models:mlp", {}, chunks=4)
     pool.step(x, y, LOSS)
     pool.kill(1)
     start = time.monotonic()
@@ -346,7 +346,7 @@ def test_torchrun_stages_match_threads_on_cpus_and_on_two_gpus_over_nccl(tmp_pat
 def test_one_rank_with_several_chunks_hands_activations_to_itself(batch):
     x, y = batch
     with ProcessPool(1) as pool:
-        pool.build("conftest:mlp", {}, chunks=2, schedule="interleaved", virtual_stages=3)
+        pool.build("small_models:mlp", {}, chunks=2, schedule="interleaved", virtual_stages=3)
         loss = pool.step(x, y, LOSS)
         assert {e.chunk for e in pool.trace.events} == {0, 1, 2} and not pool.trace.messages
     reference = mlp()
@@ -359,7 +359,7 @@ def test_rebuilding_a_pipe_fifty_times_leaks_no_group_thread_or_file_descriptor(
     x, y = batch
 
     def build_and_step():
-        pool.build("conftest:mlp", {}, chunks=2)
+        pool.build("small_models:mlp", {}, chunks=2)
         pool.step(x, y, LOSS)
 
     for _ in range(2):
@@ -392,7 +392,7 @@ def test_larger_values_and_more_messages_than_slots_travel_through_shared_memory
     reference = mlp()
     for chunks, size in ((4, 8), (4, 24), (4, 5), (16, 24)):  # a larger payload, then 12 messages a kind in a call
         if chunks != pool.built_with:
-            pool.build("conftest:mlp", {}, chunks=chunks)
+            pool.build("small_models:mlp", {}, chunks=chunks)
             pool.built_with = chunks
         loss = pool.step(x[:size], y[:size], LOSS)
         assert pool.trace.lane == "shared memory"
@@ -431,7 +431,7 @@ def test_a_waiting_stage_spins_only_where_every_stage_has_a_core(monkeypatch):
 def test_stages_that_sleep_at_once_or_spin_long_train_bitwise_like_threads(batch, spin):
     x, y = batch
     with ProcessPool(2, spin=spin) as pool:
-        pool.build("conftest:mlp", {}, balance=2, chunks=4, optimizer=("torch.optim.SGD", {"lr": 0.1}))
+        pool.build("small_models:mlp", {}, balance=2, chunks=4, optimizer=("torch.optim.SGD", {"lr": 0.1}))
         losses = [pool.step(x, y, LOSS) for _ in range(2)]
         model, expected = threads_run(mlp(), batch, 2, balance=2, chunks=4)
         assert [l.item() for l in losses] == [l.item() for l in expected]
@@ -495,7 +495,7 @@ def test_pools_killed_with_their_process_groups_leave_nothing_once_a_new_pool_st
     left = [name for k in killed for name in os.listdir("/dev/shm") if name.startswith(k["parent"] + "-")]
     print(f"{len(left)} file(s) of the last killed pools in /dev/shm before a new pool started")
     with ProcessPool(2) as pool:
-        pool.build("conftest:mlp", {}, chunks=2)
+        pool.build("small_models:mlp", {}, chunks=2)
         assert [name for k in killed for name in os.listdir("/dev/shm") if name.startswith(k["parent"] + "-")] == []
         assert [k["store"] for k in killed if os.path.exists(k["store"])] == []
     survivors = [pid for k in killed for pid in k["stages"] if running(pid)]

@@ -14,7 +14,7 @@ from engine.distributed import replicas
 from engine.distributed.replicas import buckets
 from engine.transport import StageFailed
 from lab.launch import two_nodes
-from conftest import mlp
+from small_models import mlp
 from launch import shm_left, shm_prefix
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 import torch_schedules
-from conftest import grads, mlp
+from small_models import grads, mlp
 from engine import GPipe
 from engine.schedule import SCHEDULES, Schedule, Task, check, interleaved, loop, one_f_one_b, v_shape, zb_h1, zb_v
 from lab.exactness import unpipelined_gradients
@@ -276,7 +276,7 @@ def test_written_schedules_on_stage_processes_equal_threads_bitwise():
             for schedule, checkpoint in [("zb-v", "always"), (parse(format(zb_h1(stages, 4, "never"))), "never"), *torchs]:
                 options = dict(balance=stages, chunks=4, schedule=schedule, checkpoint=checkpoint,
                                **({"virtual_stages": 2} if schedule == "zb-v" else {}))
-                pool.build("conftest:mlp", dict(dtype=torch.float64), **options)
+                pool.build("small_models:mlp", dict(dtype=torch.float64), **options)
                 loss = pool.step(x, y, nn.functional.cross_entropy)
                 model = mlp(dtype=torch.float64)
                 pipe = GPipe(model, threads_per_stage=1, **options)
@@ -287,7 +287,7 @@ def test_written_schedules_on_stage_processes_equal_threads_bitwise():
             deadlock = parse("\n".join(["F0 B0 F1 B1"] + ["F0 F1 B1 B0"] * (stages - 1)))
             start = time.monotonic()
             with pytest.raises(ValueError, match="the schedule deadlocks: stage 0 waits for B0 from stage 1"):
-                pool.build("conftest:mlp", {}, balance=stages, chunks=2, checkpoint="never", schedule=deadlock)
+                pool.build("small_models:mlp", {}, balance=stages, chunks=2, checkpoint="never", schedule=deadlock)
             assert time.monotonic() - start < 5, "every rank refuses it before it runs"
         finally:
             pool.close()
@@ -320,13 +320,13 @@ def test_a_deadlock_at_run_time_is_reported_on_every_rank_with_the_waits_within_
     pool = ProcessPool(2)
     try:  # rank 0 follows the first order, rank 1 the second: stage 0 waits for B0, stage 1 for F1
         orders = ["stage 0: F0 B0 F1 B1\nstage 1: F0 B0 F1 B1", "stage 0: F0 F1 B0 B1\nstage 1: F0 F1 B1 B0"]
-        pool.build("conftest:mlp", {}, balance=2, chunks=2, checkpoint="never", schedule=PerRank(orders))
+        pool.build("small_models:mlp", {}, balance=2, chunks=2, checkpoint="never", schedule=PerRank(orders))
         start = time.monotonic()
         with pytest.raises(StageFailed, match="deadlock: stage 0 waits for B0 from stage 1; stage 1 waits for F1 "
                                               "from stage 0"):
             pool.step(x, y, nn.functional.cross_entropy)  # an answer from every rank, or it would time out
         assert time.monotonic() - start < 30  # a liveness bound: ten times the stall (2 s) plus its reports
-        pool.build("conftest:mlp", {}, balance=2, chunks=2, checkpoint="never")
+        pool.build("small_models:mlp", {}, balance=2, chunks=2, checkpoint="never")
         assert pool.step(x, y, nn.functional.cross_entropy).item() > 0, "the pool works on"
     finally:
         pool.close()
