@@ -433,8 +433,9 @@ def show_writer(record: RunRecord, config: RunConfig) -> None:
                     name, config.stages, micro, config.checkpoint)
             except ValueError as error:
                 left.warning(f"{name} at these settings: {error}")
+    lines = max(config.stages, st.session_state.get("writer_text", "").count("\n") + 1)  # a placement line too
     text = right.text_area(f"the schedule (K = {config.stages}, M = {micro}, checkpoint '{config.checkpoint}')",
-                           key="writer_text", height=40 + 28 * config.stages, max_chars=schedule_writer.MAX_CHARS)
+                           key="writer_text", height=40 + 28 * lines, max_chars=schedule_writer.MAX_CHARS)
     st.session_state["writer_saved"] = text
     verdict = schedule_writer.examine(text, micro, config.checkpoint)
     (st.success if verdict.legal else st.error)(verdict.line)
@@ -451,6 +452,11 @@ def show_writer(record: RunRecord, config: RunConfig) -> None:
         st.info(f"It has {len(verdict.schedule)} stages, these settings {config.stages}: set K = "
                 f"{len(verdict.schedule)} in the sidebar to replay it on measured tasks and run it.")
         return
+    cap = left.number_input("activation cap per stage (KiB; 0: none)", min_value=0, value=0, step=16,
+                            key="writer_cap")
+    if cap:
+        line = schedule_writer.cap_line(config, verdict.schedule, cap * 1024)
+        (st.success if line.startswith("✓") else st.error)(line)
     if not st.button("run it", key="writer_run"):
         return
     try:

@@ -360,15 +360,23 @@ def schedule_peaks(config: RunConfig, model: nn.Sequential, inputs, balance: lis
                    tasks: Optional[Schedule] = None) -> list[int]:
     """Each stage's activation peak for the configuration's schedule, or the written `tasks`
     (lab.schedule_memory), its chunks' storages measured on the model as built, on one micro-batch."""
-    from .schedule_memory import measure_chunks, peaks
+    from .schedule_memory import peaks
+    micro = micro_batch_count(config)
+    if tasks is None:
+        tasks = Schedule(SCHEDULES[config.schedule](config.stages, micro, config.checkpoint, config.virtual_stages))
+    return peaks(tasks, micro, config.checkpoint, *chunk_bytes(config, model, inputs, balance))
+
+
+def chunk_bytes(config: RunConfig, model: nn.Sequential, inputs, balance: list[int]) -> tuple[list, int]:
+    """What a schedule's activation memory is predicted from: the storages each chunk of `balance`
+    saves on one micro-batch (lab.schedule_memory.measure_chunks, on copies of the layers as built),
+    and the bytes of the mini-batch's input."""
+    from .schedule_memory import measure_chunks
     edges = list(itertools.accumulate(balance, initial=0))
     parts = [copy.deepcopy(nn.Sequential(*list(model)[a:b])) for a, b in zip(edges, edges[1:])]
     with torch.random.fork_rng(devices=[]):   # copies of the layers: their batch norm counters and the random state stay
         chunks = measure_chunks(parts, micro_sample(inputs, config))
-    micro = micro_batch_count(config)
-    if tasks is None:
-        tasks = Schedule(SCHEDULES[config.schedule](config.stages, micro, config.checkpoint, config.virtual_stages))
-    return peaks(tasks, micro, config.checkpoint, chunks, tensors_of(inputs)[0].untyped_storage().nbytes())
+    return chunks, tensors_of(inputs)[0].untyped_storage().nbytes()
 
 
 def per_layer_bytes(config: RunConfig) -> tuple[list[float], list[float]]:

@@ -292,6 +292,25 @@ def run_beside_gpipe(config: RunConfig, schedule: Schedule, rounds: int = 1) -> 
     return runs
 
 
+def cap_line(config: RunConfig, schedule: Schedule, cap: int) -> str:
+    """The written schedule against a cap of `cap` bytes on each stage's activations, predicted from
+    where its tasks sit on the configuration's model (lab.schedule_memory): "✓ ..." with each stage's
+    predicted peak, or "✗ ..." naming the first stage and task that would pass the cap."""
+    from .experiments import build, choose_balance, chunk_bytes
+    from .schedule_memory import check_cap, peaks
+
+    setting = config.but(virtual_stages=len(schedule.placement) // len(schedule))
+    model, (inputs, _), _ = build(setting)
+    chunks, batch_bytes = chunk_bytes(setting, model, inputs, choose_balance(setting, model, inputs))
+    micro = micro_batch_count(config)
+    try:
+        check_cap(schedule, micro, config.checkpoint, chunks, batch_bytes, cap)
+    except ValueError as error:
+        return f"✗ {error} bytes"
+    held = ", ".join(f"{p / 1024:.0f}" for p in peaks(schedule, micro, config.checkpoint, chunks, batch_bytes))
+    return f"✓ within the cap of {cap / 1024:.0f} KiB on every stage: predicted peaks {held} KiB"
+
+
 def exactness_line(ran: Ran) -> str:
     """One run's gradients in words: "written: largest gradient difference from the unpipelined step 3e-08"
     (GPipe's own line, where its gradients are the reference, says so)."""

@@ -369,6 +369,12 @@ def test_a_written_schedule_is_checked_predicted_and_run_beside_gpipe(app):
     assert app.text_area(key="writer_text").value == "stage 0: F0 F1 F2 F3 B3 B2 B1 B0\nstage 1: F0 F1 F2 F3 B3 B2 B1 B0"
     assert "✓ legal: makespan 15 units, bubble 20%, at most 4 micro-batches held on a stage" in \
         [s.value for s in app.success]
+    app.number_input(key="writer_cap").set_value(4).run()   # KiB: the preset's GPipe holds more on stage 0
+    assert any(e.value.startswith("✗ stage 0 holds ") and "bytes of activations after " in e.value and
+               e.value.endswith("over its cap of 4096 bytes") for e in app.error), [e.value for e in app.error]
+    app.number_input(key="writer_cap").set_value(10_000).run()
+    assert any(s.value.startswith("✓ within the cap of 10000 KiB on every stage: predicted peaks ") for s in app.success)
+    app.number_input(key="writer_cap").set_value(0).run()
     app.text_area(key="writer_text").input("stage 0: F0 B0 F1 B1 F2 B2 F3 B3\nstage 1: F0 F1 B1 B0 F2 B2 F3 B3").run()
     assert "✗ the schedule deadlocks: stage 0 waits for B0 from stage 1, which waits for F1 from stage 0" in \
         [e.value for e in app.error]
