@@ -200,12 +200,15 @@ def show_numbers(record: RunRecord, config: RunConfig) -> None:
     bubble, step, rate, speed = (record.spread(what) for what in
                                  ("bubble", "step", "samples_per_second", "speedup"))
     cols = st.columns(5)
-    cols[0].metric("bubble", f"{bubble[0]:.0%}", f"theory {theory.bubble(config.stages, micro):.0%}",
-                   delta_color="off")
+    # under each figure a reference or a range, not a change: no arrow
+    cols[0].metric("bubble", f"{bubble[0]:.0%}", f"(K-1)/(M+K-1) = {theory.bubble(config.stages, micro):.0%}",
+                   delta_color="off", delta_arrow="off")
     cols[1].metric("step time", f"{step[0] * 1e3:.0f} ms", f"{step[1] * 1e3:.0f} to {step[2] * 1e3:.0f} ms",
-                   delta_color="off")
-    cols[2].metric("samples/s", f"{rate[0]:,.0f}", f"{rate[1]:,.0f} to {rate[2]:,.0f}", delta_color="off")
-    cols[3].metric("speedup over K=1", f"{speed[0]:.2f}x", f"{speed[1]:.2f} to {speed[2]:.2f}x", delta_color="off")
+                   delta_color="off", delta_arrow="off")
+    cols[2].metric("samples/s", f"{rate[0]:,.0f}", f"{rate[1]:,.0f} to {rate[2]:,.0f}", delta_color="off",
+                   delta_arrow="off")
+    cols[3].metric("speedup over K=1", f"{speed[0]:.2f}x", f"{speed[1]:.2f} to {speed[2]:.2f}x", delta_color="off",
+                   delta_arrow="off")
     cols[4].metric("loss", f"{record.loss:.3f}")
     unit = "GPU" if config.device == "cuda" else "core"
     st.caption(f"Medians of {len(record.rounds)} measured steps, each followed by a step of K=1 at the same M (one "

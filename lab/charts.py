@@ -241,7 +241,8 @@ def gantt_svg(timeline: Timeline, title: str, width: int = 900) -> str:
             parts.append(f'<text x="{x + w / 2:.1f}" y="{y + row / 2 + 1}" font-size="11" fill="white" '
                          f'text-anchor="middle">{bar.micro}</text>')
     parts.append(f'<text x="{left}" y="{height - 6}" font-size="12">time ({timeline.unit}): makespan '
-                 f'{timeline.makespan:g}, bubble {timeline.bubble:.0%}</text>')
+                 f'{timeline.makespan:g}, bubble {timeline.bubble:.0%}'
+                 f'{" (its recomputes fill some of it)" if any(b.op == "R" for b in timeline.bars) else ""}</text>')
     x = width - 12 - 110 * len({bar.op for bar in timeline.bars})
     for op, (name, color) in OPS.items():  # the legend, in the order of `gantt`'s traces
         if any(bar.op == op for bar in timeline.bars):

@@ -103,6 +103,8 @@ def test_sliders_rerun_the_pipeline(app, stages, micro, recompute, r_bars):
     assert {y for trace in bars.values() for y in trace["y"]} == {f"stage {k}" for k in range(stages)}
     assert len(bars["forward"]["x"]) == stages * micro and len(bars["backward"]["x"]) == stages * micro
     assert len(bars.get("recompute", {"x": []})["x"]) == r_bars
+    bubble = next(m for m in app.metric if m.label == "bubble")
+    assert bubble.delta == f"(K-1)/(M+K-1) = {(stages - 1) / (micro + stages - 1):.0%}"  # the formula, named
 
 
 def test_replay_and_theory_views(app):
