@@ -281,7 +281,8 @@ def assert_everything_listens_on_loopback_only() -> None:
 def test_the_page_draws_its_charts_listens_on_loopback_and_the_m_slider_redraws(server, browser, tmp_path):
     """The page as it loads: the Gantt's tasks at the defaults, the waterfalls adding up, the
     critical path drawn; with its stage processes running, every socket on loopback; then the M
-    slider, moved by keyboard, redraws the Gantt for the new M."""
+    slider, moved by keyboard, redraws the Gantt for the new M, and keeps the schedule typed into
+    section 9's box."""
     server, log_path = server
     page = opened(browser, server, 1500, 1100)
     counts = page.evaluate(f"() => Object.fromEntries({GANTT}.data.map(t => [t.name, t.x.length]))")
@@ -296,6 +297,8 @@ def test_the_page_draws_its_charts_listens_on_loopback_and_the_m_slider_redraws(
         "\n".join(problems_in(log_path)[:20])
     page.screenshot(path=str(tmp_path / "app.png"))
 
+    box = page.locator("[data-testid='stTextArea'] textarea")  # section 9: a schedule of the learner's own
+    rerun_by(page, lambda: (box.fill("stage 0: F0 B0\nstage 1: F0 B0"), box.press("Control+Enter")))
     slider = page.locator("[data-testid='stSlider'] input[type='range'][aria-label='micro-batches M']")
     assert slider.input_value() == "16"
     slider.focus()
@@ -306,6 +309,7 @@ def test_the_page_draws_its_charts_listens_on_loopback_and_the_m_slider_redraws(
         "p.data[0].x.length === 22; }", timeout=120_000, polling=500)  # K=2 stages x M=11 forwards
     assert slider.input_value() == "11"
     wait_until_idle(page)
+    assert box.input_value() == "stage 0: F0 B0\nstage 1: F0 B0", "a change of M keeps the learner's text"
     assert page.locator("[data-testid='stException']").count() == 0
     page.screenshot(path=str(tmp_path / "app-m11.png"))
     if os.environ.get("GPIPE_LAB_SCREENSHOT"):  # how docs/app.png was made
