@@ -143,4 +143,4 @@ def check_cap(schedule: Schedule, micro_batches: int, checkpoint: str, chunks: l
         for task, held in line:
             if held > limit:
                 raise ValueError(f"stage {k} holds {held} bytes of activations after {schedule.label(task)}, "
-                                 f"over its cap of {limit}")
+                                 f"over its cap of {limit} bytes")

@@ -306,7 +306,7 @@ def cap_line(config: RunConfig, schedule: Schedule, cap: int) -> str:
     try:
         check_cap(schedule, micro, config.checkpoint, chunks, batch_bytes, cap)
     except ValueError as error:
-        return f"✗ {error} bytes"
+        return f"✗ {error}"
     held = ", ".join(f"{p / 1024:.0f}" for p in peaks(schedule, micro, config.checkpoint, chunks, batch_bytes))
     return f"✓ within the cap of {cap / 1024:.0f} KiB on every stage: predicted peaks {held} KiB"
 
