@@ -37,8 +37,8 @@ class Call:
     decision: Decision
     sizes: tuple[int, ...]           # samples per micro-batch
     schedule: list[list[Task]]       # every stage's task list
-    checkpoint: str                  # the pipe's checkpoint mode (for the trace)
-    checkpointed: tuple[bool, ...]   # per micro-batch: recomputed before its backward
+    checkpoint: object               # the pipe's checkpoint mode, or one per stage (for the trace)
+    recomputed: frozenset            # (chunk, micro-batch) pairs kept as their input, recomputed before backward
     record_memory: bool
     inputs: Optional[list] = None    # micro-batch inputs, where the first chunk runs
     targets: Optional[list] = None   # micro-batch targets, where the last chunk runs (steps only)

@@ -123,7 +123,7 @@ class Chunk:
             return self._message("F", micro, out)
         if not self.is_first:
             x = as_leaves(x)
-        keep_graph = not call.checkpointed[micro]
+        keep_graph = (self.index, micro) not in call.recomputed
         noted = [] if keep_graph and call.split_backward else None
         with torch.set_grad_enabled(keep_graph):
             out = self._layers(x, micro, noted)

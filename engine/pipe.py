@@ -21,6 +21,11 @@ from .trace import Trace
 class GPipe(nn.Module):
     """Train an nn.Sequential as a GPipe pipeline: K stages, M micro-batches, optional recompute.
 
+    `checkpoint` says which micro-batches are re-materialized: "always", "except_last" (all but the
+    last: torchgpipe's default), "never", one of these per stage (("always", "never"): recompute
+    only where memory is short), or, for a written schedule, "as_written": exactly the (chunk,
+    micro-batch) pairs it runs an R task for.
+
     `schedule` orders the tasks (engine/schedule.py): "gpipe" (fill-drain, the default), "1f1b"
     (same gradients up to summation order, fewer micro-batches held at once), "interleaved"
     (`virtual_stages=v` chunks per stage, chunk c on stage c % K; `balance` then describes the K*v
@@ -72,7 +77,10 @@ class GPipe(nn.Module):
             raise ValueError(f"chunks={chunks!r}: expected an int >= 1 (micro-batches per mini-batch)")
         schedules.check_layout(schedule, stages, chunks, virtual_stages)
         self.micro_batches = chunks  # M: `chunks=` is torchgpipe's keyword for it; a chunk here is a piece of layers
-        self.checkpoint = schedules.check_checkpoint_mode(checkpoint)
+        self.checkpoint = schedules.check_checkpoint_mode(checkpoint, stages)
+        if not written and "as_written" in (self.checkpoint if isinstance(self.checkpoint, tuple) else (checkpoint,)):
+            raise ValueError(f"checkpoint={checkpoint!r}: 'as_written' recomputes what a written schedule's R tasks "
+                             f"say, but schedule={schedule!r} is built by rule: use 'always', 'except_last' or 'never'")
         if written and len(self.schedule) != stages:
             raise ValueError(f"the schedule has {len(self.schedule)} stages but balance makes {stages}")
         self.placement = self.task_lists(chunks).placement  # checks a written schedule: its problem, named
@@ -208,12 +216,10 @@ class GPipe(nn.Module):
                                  f"mini-batch's targets there (other ranks may pass None)")
             check_targets(targets, decision.batch)
             micro_targets = scatter(pinned(targets, self.devices), self.micro_batches)
-        replicas = self.runner.replicas
+        replicas, tasks = self.runner.replicas, self.task_lists(len(sizes), training)
         return Call(kind=kind, decision=decision, sizes=tuple(sizes),
                     micro_offset=0 if replicas is None else replicas.index * len(sizes),
-                    schedule=self.task_lists(len(sizes), training), checkpoint=self.checkpoint,
-                    checkpointed=tuple(training and schedules.checkpointed(m, len(sizes), self.checkpoint)
-                                       for m in range(len(sizes))),
+                    schedule=tasks, checkpoint=self.checkpoint, recomputed=schedules.recomputed(tasks),
                     record_memory=training and self.record_memory,
                     inputs=scatter(pinned(inputs, self.devices), self.micro_batches) if self._local.runs_first else None,
                     targets=micro_targets, loss_fn=loss_fn if training else None)

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from itertools import accumulate
 from typing import Callable, NamedTuple, Optional
 
-CHECKPOINT_MODES = ("always", "except_last", "never")
+CHECKPOINT_MODES = ("always", "except_last", "never", "as_written")
 
 
 class Task(NamedTuple):
@@ -40,21 +40,45 @@ class Task(NamedTuple):
         return f"{self.op}{self.micro}"
 
 
-def check_checkpoint_mode(mode: str) -> str:
-    """Return `mode` if it is a known checkpoint mode, else raise a ValueError naming the choices."""
+def check_checkpoint_mode(mode, stages: Optional[int] = None):
+    """Return `mode` if it is a checkpoint mode, or a tuple of one mode per stage (a list becomes a
+    tuple; `stages`, when given, is how many it must name), else raise a ValueError naming the choices.
+    "as_written" recomputes exactly the micro-batches a written schedule runs an R for."""
+    if isinstance(mode, (list, tuple)):
+        if stages is not None and len(mode) != stages:
+            raise ValueError(f"checkpoint={tuple(mode)!r} names {len(mode)} modes for {stages} stages: expected one "
+                             f"mode, or one per stage")
+        return tuple(check_checkpoint_mode(each) for each in mode)
     if mode not in CHECKPOINT_MODES:
-        raise ValueError(f"checkpoint={mode!r} is not a checkpoint mode; expected one of {CHECKPOINT_MODES}")
+        raise ValueError(f"checkpoint={mode!r} is not a checkpoint mode; expected one of {CHECKPOINT_MODES}, or one "
+                         f"of them per stage")
     return mode
 
 
-def checkpointed(micro: int, micro_batches: int, mode: str) -> bool:
-    """Whether a micro-batch is re-materialized (forward without graph, recomputed before backward).
+def stage_mode(mode, stage: int) -> str:
+    """The checkpoint mode of one stage: `mode` itself, or its entry for `stage` in a per-stage tuple."""
+    return mode[stage] if isinstance(mode, tuple) else mode
+
+
+def checkpointed(micro: int, micro_batches: int, mode, stage: int = 0) -> bool:
+    """Whether a micro-batch is re-materialized on `stage` (forward without graph, recomputed before
+    backward) under `mode` (one mode, or one per stage).
 
     "except_last" spares the last micro-batch: its backward starts right after its forward on the
     last stage, so keeping its activations costs little and saves one recompute (torchgpipe's choice).
+    "as_written" is the schedule's to say, by its R tasks: there is no rule to build one from.
     """
-    check_checkpoint_mode(mode)
+    mode = stage_mode(check_checkpoint_mode(mode), stage)
+    if mode == "as_written":
+        raise ValueError("checkpoint='as_written' recomputes what a written schedule's R tasks say: a built-in "
+                         "schedule needs 'always', 'except_last' or 'never' (one, or one per stage)")
     return mode == "always" or (mode == "except_last" and micro < micro_batches - 1)
+
+
+def recomputed(schedule: list[list[Task]]) -> frozenset:
+    """The (chunk, micro-batch) pairs a schedule re-materializes: those it runs an R task for. The
+    engine keeps only the input of exactly these forwards."""
+    return frozenset((t.chunk, t.micro) for tasks in schedule for t in tasks if t.op == "R")
 
 
 def owner(chunk: int, stages: int) -> int:
@@ -104,10 +128,13 @@ def upstream(task: Task, chunks: int) -> Optional[Task]:
 
 
 def check_layout(name: str, stages: int, micro_batches: Optional[int], virtual: int,
-                 layers: Optional[int] = None) -> None:
+                 layers: Optional[int] = None, checkpoint=None) -> None:
     """The one check of how chunks are laid out, for the pipe, the schedules and the lab: the chunks
     per stage (v) and the M that schedule `name` accepts (its entry in SCHEDULES; a written schedule
-    any v), and K*v chunks need at least as many layers."""
+    any v), K*v chunks need at least as many layers, and `checkpoint`, where given, is a mode or
+    one per stage."""
+    if checkpoint is not None:
+        check_checkpoint_mode(checkpoint, stages if isinstance(checkpoint, (list, tuple)) else None)
     if isinstance(virtual, bool) or not isinstance(virtual, int) or virtual < 1:
         raise ValueError(f"virtual_stages={virtual!r}: expected an int >= 1 (chunks of layers per stage)")
     if micro_batches is not None and (stages < 1 or micro_batches < 1):
@@ -125,44 +152,44 @@ def check_layout(name: str, stages: int, micro_batches: Optional[int], virtual: 
                          f"only {layers} layers; expected at most one chunk per layer")
 
 
-def _backward(micro: int, micro_batches: int, checkpoint: str, chunk: int) -> list[Task]:
-    """A micro-batch's backward on a chunk, preceded by its recompute if it was checkpointed."""
-    recompute = [Task("R", micro, chunk)] if checkpointed(micro, micro_batches, checkpoint) else []
+def _backward(micro: int, micro_batches: int, checkpoint, chunk: int, stage: int) -> list[Task]:
+    """A micro-batch's backward on a chunk of `stage`, preceded by its recompute if it was checkpointed."""
+    recompute = [Task("R", micro, chunk)] if checkpointed(micro, micro_batches, checkpoint, stage) else []
     return recompute + [Task("B", micro, chunk)]
 
 
-def gpipe(stages: int, micro_batches: int, checkpoint: str = "except_last", virtual: int = 1) -> list[list[Task]]:
+def gpipe(stages: int, micro_batches: int, checkpoint="except_last", virtual: int = 1) -> list[list[Task]]:
     """GPipe: every forward, then every backward in reverse micro-batch order (the drain mirrors the
     fill); a checkpointed micro-batch gets its recompute "R" immediately before its backward "B"."""
-    check_layout("gpipe", stages, micro_batches, virtual)
+    check_layout("gpipe", stages, micro_batches, virtual, checkpoint=checkpoint)
     return [[Task("F", m, k) for m in range(micro_batches)] +
-            [t for m in reversed(range(micro_batches)) for t in _backward(m, micro_batches, checkpoint, k)]
+            [t for m in reversed(range(micro_batches)) for t in _backward(m, micro_batches, checkpoint, k, k)]
             for k in range(stages)]
 
 
-def one_f_one_b(stages: int, micro_batches: int, checkpoint: str = "except_last", virtual: int = 1) -> list[list[Task]]:
+def one_f_one_b(stages: int, micro_batches: int, checkpoint="except_last", virtual: int = 1) -> list[list[Task]]:
     """1F1B (PipeDream-Flush): stage k runs K-1-k forwards to fill the pipe, then alternates one
     forward with one backward, then drains the remaining backwards, in micro-batch order. Same work
     and the same synchronous update as GPipe, but a stage never holds more than K-k micro-batches."""
-    check_layout("1f1b", stages, micro_batches, virtual)
+    check_layout("1f1b", stages, micro_batches, virtual, checkpoint=checkpoint)
     plans = []
     for k in range(stages):
         warmup = min(stages - 1 - k, micro_batches)
         tasks = [Task("F", m, k) for m in range(warmup)]
         for i in range(micro_batches - warmup):
-            tasks += [Task("F", warmup + i, k)] + _backward(i, micro_batches, checkpoint, k)
+            tasks += [Task("F", warmup + i, k)] + _backward(i, micro_batches, checkpoint, k, k)
         for i in range(micro_batches - warmup, micro_batches):
-            tasks += _backward(i, micro_batches, checkpoint, k)
+            tasks += _backward(i, micro_batches, checkpoint, k, k)
         plans.append(tasks)
     return plans
 
 
-def interleaved(stages: int, micro_batches: int, checkpoint: str = "except_last", virtual: int = 2) -> list[list[Task]]:
+def interleaved(stages: int, micro_batches: int, checkpoint="except_last", virtual: int = 2) -> list[list[Task]]:
     """Interleaved 1F1B (Megatron-LM): stage k holds chunks k, k+K, ..., k+(v-1)K. Forwards go in
     groups of K micro-batches through one chunk after the other; backwards in the same groups from
     the last chunk back. Stage k fills with 2(K-1-k) + (v-1)K forwards, then alternates, then drains.
     Megatron requires M to be a multiple of K, so that every group is full; so does this engine."""
-    check_layout("interleaved", stages, micro_batches, virtual)
+    check_layout("interleaved", stages, micro_batches, virtual, checkpoint=checkpoint)
     total = micro_batches * virtual
 
     def micro_of(i: int) -> int:
@@ -176,7 +203,7 @@ def interleaved(stages: int, micro_batches: int, checkpoint: str = "except_last"
     for k in range(stages):
         warmup = min(2 * (stages - 1 - k) + (virtual - 1) * stages, total)
         forward = [Task("F", micro_of(i), chunk_of(i, k, False)) for i in range(total)]
-        backward = [_backward(micro_of(i), micro_batches, checkpoint, chunk_of(i, k, True)) for i in range(total)]
+        backward = [_backward(micro_of(i), micro_batches, checkpoint, chunk_of(i, k, True), k) for i in range(total)]
         tasks = forward[:warmup]
         for i in range(total - warmup):
             tasks += [forward[warmup + i]] + backward[i]
@@ -186,12 +213,12 @@ def interleaved(stages: int, micro_batches: int, checkpoint: str = "except_last"
     return plans
 
 
-def zb_h1(stages: int, micro_batches: int, checkpoint: str = "except_last", virtual: int = 1) -> list[list[Task]]:
+def zb_h1(stages: int, micro_batches: int, checkpoint="except_last", virtual: int = 1) -> list[list[Task]]:
     """ZB-H1: 1F1B's order with each backward split into B (input gradient, sent upstream at once)
     and W (weight gradient). Stage k keeps its first k W's pending, so in the drain, where 1F1B's
     stage k idles while it waits for gradients, it has W's to run; every later B is followed by the
     oldest pending W. At most K micro-batches are in flight on a stage (forward done, W not yet)."""
-    check_layout("zb-h1", stages, micro_batches, virtual)
+    check_layout("zb-h1", stages, micro_batches, virtual, checkpoint=checkpoint)
     plans = []
     for k in range(stages):
         warmup = min(stages - 1 - k, micro_batches)
@@ -200,7 +227,7 @@ def zb_h1(stages: int, micro_batches: int, checkpoint: str = "except_last", virt
 
         def next_backward() -> None:
             nonlocal backwards, weights
-            tasks.extend(_backward(backwards, micro_batches, checkpoint, k))
+            tasks.extend(_backward(backwards, micro_batches, checkpoint, k, k))
             backwards += 1
             if backwards - weights > k:  # more than k W's pending: run the oldest
                 tasks.append(Task("W", weights, k))
@@ -216,13 +243,13 @@ def zb_h1(stages: int, micro_batches: int, checkpoint: str = "except_last", virt
     return plans
 
 
-def zb_v(stages: int, micro_batches: int, checkpoint: str = "except_last", virtual: int = 2) -> Schedule:
+def zb_v(stages: int, micro_batches: int, checkpoint="except_last", virtual: int = 2) -> Schedule:
     """ZB-V: chunks in a V (stage k holds chunks k and 2K-1-k), each backward split into B and W.
     Built as the paper builds its schedules, by laying tasks onto a unit-cost clock (F = B = W = 1):
     a free stage runs a ready B (the critical path; its recompute first), else a ready F, the later
     chunk first, unless the stage already holds K micro-batches (2K chunk halves; the first chunk
     leaves one of them to the second), else its oldest pending W, else it waits."""
-    check_layout("zb-v", stages, micro_batches, virtual)
+    check_layout("zb-v", stages, micro_batches, virtual, checkpoint=checkpoint)
     count, limit, plans = 2 * stages, 2 * stages, Schedule([[] for _ in range(stages)], v_shape(stages, 2 * stages))
     done, free, held, weights = {}, [0] * stages, [0] * stages, [[] for _ in range(stages)]  # done: Task -> end
     forwards, backwards = [0] * count, [0] * count  # the next micro-batch to forward, backward per chunk
@@ -240,7 +267,7 @@ def zb_v(stages: int, micro_batches: int, checkpoint: str = "except_last", virtu
             f = [Task("F", forwards[c], c) for c in (high, low) if forwards[c] < micro_batches and
                  held[k] < limit - (c == low and low != high)]
             for task in [t for t in b if ready(t)][:1] or [t for t in f if ready(t)][:1] or weights[k][:1]:
-                work = _backward(task.micro, micro_batches, checkpoint, task.chunk) if task.op == "B" else [task]
+                work = _backward(task.micro, micro_batches, checkpoint, task.chunk, k) if task.op == "B" else [task]
                 plans[k] += work
                 free[k] = done[task] = clock + len(work)
                 if task.op == "F":
@@ -275,7 +302,7 @@ class Kind:
     splits_backward: bool = False
     compared: bool = True
 
-    def __call__(self, stages: int, micro_batches: int, checkpoint: str = "except_last",
+    def __call__(self, stages: int, micro_batches: int, checkpoint="except_last",
                  virtual: int = 1) -> list[list[Task]]:
         return self.build(stages, micro_batches, checkpoint, virtual)
 
@@ -381,7 +408,8 @@ def check(schedule: list[list[Task]], micro_batches: int, checkpoint: str = "exc
     first problem in words); report its makespan, bubble and memory with unit costs, or with a model's
     own: `duration(stage, task)` and `latency` per message between stages."""
     schedule = schedule if isinstance(schedule, Schedule) else Schedule(schedule)
-    place, stages, mode = schedule.placement, len(schedule), check_checkpoint_mode(checkpoint)
+    place, stages = schedule.placement, len(schedule)
+    mode = check_checkpoint_mode(checkpoint, stages if isinstance(checkpoint, (list, tuple)) else None)
     if stages < 1 or micro_batches < 1:
         raise ValueError(f"need at least one stage and one micro-batch, got {stages} and M={micro_batches}")
     for k in sorted(set(range(stages)) ^ set(place)):
@@ -399,18 +427,21 @@ def check(schedule: list[list[Task]], micro_batches: int, checkpoint: str = "exc
                 raise ValueError(f"{name}, but the placement {place} does not put chunk {task.chunk} on stage {k}")
             if task in where:
                 raise ValueError(f"{name} twice")
-            if task.op == "R" and not checkpointed(task.micro, micro_batches, mode):
+            written = stage_mode(mode, k) == "as_written"
+            if task.op == "R" and not written and not checkpointed(task.micro, micro_batches, mode, k):
                 raise ValueError(f"{name}, a recompute of micro-batch {task.micro}, which kept its activations "
-                                 f"under checkpoint={mode!r}")
+                                 f"under checkpoint={stage_mode(mode, k)!r}" + (f" on stage {k}" if mode != stage_mode(
+                                     mode, k) else "") + " (checkpoint='as_written' recomputes what the R's say)")
             where[task] = i
     for c, k in enumerate(place):
+        written = stage_mode(mode, k) == "as_written"
         for m in range(micro_batches):
-            steps = [Task(op, m, c) for op in "FRBW" if (op != "R" or checkpointed(m, micro_batches, mode))
-                     and (op != "W" or split)]
+            steps = [Task(op, m, c) for op in "FRBW" if (op != "R" or (Task("R", m, c) in where if written else
+                     checkpointed(m, micro_batches, mode, k))) and (op != "W" or split)]
             for task in steps:
                 if task not in where:
-                    why = {"R": f": checkpoint={mode!r} keeps only its input, so its backward needs the recompute "
-                                f"first", "W": ": once W is split off, every B leaves its weight gradient to a W"}
+                    why = {"R": f": checkpoint={stage_mode(mode, k)!r} keeps only its input, so its backward needs the "
+                                f"recompute first", "W": ": once W is split off, every B leaves its weight gradient to a W"}
                     top = max((t.micro for t in where), default=-1)  # a schedule written for fewer micro-batches
                     why = {o: f": written for M={top + 1}, not {micro_batches}" for o in "FB"} if top < m else why
                     raise ValueError(f"stage {k} never runs {schedule.label(task)}{why.get(task.op, '')}")

@@ -94,7 +94,7 @@ class Trace:
     stages: int = 0
     micro_batches: int = 0
     batch_size: int = 0
-    checkpoint: str = ""
+    checkpoint: object = ""  # the pipe's checkpoint mode, or a tuple of one per stage
     kind: str = "step"  # "step" (forward+backward), "serial step" (one task at a time) or "forward"
     events: list[Event] = field(default_factory=list)
     memory: list[StageMemory] = field(default_factory=list)

@@ -364,7 +364,7 @@ def schedule_peaks(config: RunConfig, model: nn.Sequential, inputs, balance: lis
     micro = micro_batch_count(config)
     if tasks is None:
         tasks = Schedule(SCHEDULES[config.schedule](config.stages, micro, config.checkpoint, config.virtual_stages))
-    return peaks(tasks, micro, config.checkpoint, *chunk_bytes(config, model, inputs, balance))
+    return peaks(tasks, *chunk_bytes(config, model, inputs, balance))
 
 
 def chunk_bytes(config: RunConfig, model: nn.Sequential, inputs, balance: list[int]) -> tuple[list, int]:

@@ -2,8 +2,8 @@
 
 The prediction replays each stage's task list against what the engine's ledger counts (distinct
 storages saved for backward), measured once per chunk on one micro-batch:
-- F keeps the chunk's input and every tensor its layers save; F of a checkpointed micro-batch keeps
-  its input only, and R saves new tensors (a recompute makes its own, also its own output);
+- F keeps the chunk's input and every tensor its layers save; F of a micro-batch the schedule
+  recomputes (it runs an R for it) keeps its input only, and R saves new tensors (a recompute makes its own, also its own output);
 - a chunk's output is the next chunk's input: on one stage (a V), one storage, counted once;
 - the first chunk's micro-batches are views of the mini-batch: its whole storage counts once while
   any of them is held;
@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from engine.schedule import Schedule, Task, checkpointed
+from engine.schedule import Schedule, Task, recomputed
 
 
 @dataclass(frozen=True)
@@ -76,12 +76,11 @@ def _measure(layers: nn.Module, sample: torch.Tensor) -> tuple[ChunkBytes, torch
     return ChunkBytes(x.untyped_storage().nbytes(), tuple(saved), frozenset(kept)), out.detach()
 
 
-def footprints(schedule: Schedule, micro_batches: int, checkpoint: str, chunks: list[ChunkBytes],
-               batch_bytes: int) -> list[list[tuple[Task, int]]]:
+def footprints(schedule: Schedule, chunks: list[ChunkBytes], batch_bytes: int) -> list[list[tuple[Task, int]]]:
     """Per stage, each task with the activation bytes the stage holds once it has run (before a
     backward frees what it used: the moment of the peak). `chunks[c]`: chunk c's bytes per
     micro-batch; `batch_bytes`: the mini-batch input's storage, which the first chunk's inputs share."""
-    split = any(t.op == "W" for tasks in schedule for t in tasks)
+    split, again = any(t.op == "W" for tasks in schedule for t in tasks), recomputed(schedule)
 
     def input_of(c: int, m: int) -> tuple:
         return ("batch",) if c == 0 else ("F", c - 1, m, "out")   # the previous chunk's output
@@ -104,7 +103,7 @@ def footprints(schedule: Schedule, micro_batches: int, checkpoint: str, chunks: 
                     del held[name]
         for task in tasks:
             c, m, bytes_ = task.chunk, task.micro, chunks[task.chunk]
-            made_by = "R" if checkpointed(m, micro_batches, checkpoint) else "F"
+            made_by = "R" if (c, m) in again else "F"
             body = [(made_by, c, m, name) for name, _ in bytes_.saved]
             sizes.update({(made_by, c, m, name): n for name, n in bytes_.saved})
             sizes.setdefault(input_of(c, m), bytes_.input)
@@ -123,19 +122,17 @@ def footprints(schedule: Schedule, micro_batches: int, checkpoint: str, chunks: 
     return result
 
 
-def peaks(schedule: Schedule, micro_batches: int, checkpoint: str, chunks: list[ChunkBytes],
-          batch_bytes: int) -> list[int]:
+def peaks(schedule: Schedule, chunks: list[ChunkBytes], batch_bytes: int) -> list[int]:
     """Each stage's predicted activation peak in bytes for `schedule` (see `footprints`)."""
     return [max((held for _, held in line), default=0)
-            for line in footprints(schedule, micro_batches, checkpoint, chunks, batch_bytes)]
+            for line in footprints(schedule, chunks, batch_bytes)]
 
 
-def check_cap(schedule: Schedule, micro_batches: int, checkpoint: str, chunks: list[ChunkBytes],
-              batch_bytes: int, cap) -> None:
+def check_cap(schedule: Schedule, chunks: list[ChunkBytes], batch_bytes: int, cap) -> None:
     """Raise a ValueError naming the first stage and task at which the schedule's activations would
     pass `cap` bytes (one number for every stage, or one per stage)."""
     schedule = schedule if isinstance(schedule, Schedule) else Schedule(schedule)
-    lines = footprints(schedule, micro_batches, checkpoint, chunks, batch_bytes)
+    lines = footprints(schedule, chunks, batch_bytes)
     caps = list(cap) if isinstance(cap, (list, tuple)) else [cap] * len(lines)
     if len(caps) != len(lines):
         raise ValueError(f"{len(caps)} caps for {len(lines)} stages: expected one number, or one per stage")

@@ -302,12 +302,11 @@ def cap_line(config: RunConfig, schedule: Schedule, cap: int) -> str:
     setting = config.but(virtual_stages=len(schedule.placement) // len(schedule))
     model, (inputs, _), _ = build(setting)
     chunks, batch_bytes = chunk_bytes(setting, model, inputs, choose_balance(setting, model, inputs))
-    micro = micro_batch_count(config)
     try:
-        check_cap(schedule, micro, config.checkpoint, chunks, batch_bytes, cap)
+        check_cap(schedule, chunks, batch_bytes, cap)
     except ValueError as error:
         return f"✗ {error}"
-    held = ", ".join(f"{p / 1024:.0f}" for p in peaks(schedule, micro, config.checkpoint, chunks, batch_bytes))
+    held = ", ".join(f"{p / 1024:.0f}" for p in peaks(schedule, chunks, batch_bytes))
     return f"✓ within the cap of {cap / 1024:.0f} KiB on every stage: predicted peaks {held} KiB"
 
 

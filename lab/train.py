@@ -29,7 +29,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from engine import GPipe
 from engine.distributed.transport import gpu_identity, one_gpu_each
-from engine.schedule import CHECKPOINT_MODES, SCHEDULES, check_layout
+from engine.schedule import SCHEDULES, check_checkpoint_mode, check_layout
 
 from . import models
 from .host import stage_processes_refused_here
@@ -47,7 +47,9 @@ def parser() -> argparse.ArgumentParser:
                          "each replica takes N/D)")
     options.add_argument("--blocks", type=int, default=4, help="Transformer blocks (the model has blocks + 2 layers)")
     options.add_argument("--width", type=int, default=64)
-    options.add_argument("--checkpoint", default="except_last", choices=CHECKPOINT_MODES)
+    options.add_argument("--checkpoint", default="except_last", type=checkpoint_option,
+                         help="always, except_last (default) or never; or one per stage, comma-separated "
+                              "(always,never: only stage 0 recomputes)")
     options.add_argument("--schedule", default="gpipe", choices=list(SCHEDULES))
     options.add_argument("--virtual-stages", type=int, default=None,
                          help="chunks of layers per stage (v; default: the fewest the schedule accepts)")
@@ -60,6 +62,25 @@ def parser() -> argparse.ArgumentParser:
     options.add_argument("--trace-out", default=None, help="write the last step's trace (every stage's tasks "
                          "and messages) as JSON to this file, from rank 0")
     return options
+
+
+def checkpoint_option(text: str):
+    """--checkpoint's value: one mode, or one per stage separated by commas (a tuple); the built-in
+    schedules this command runs have no R's of their own, so "as_written" is refused."""
+    modes = tuple(text.split(",")) if "," in text else text
+    try:
+        mode = check_checkpoint_mode(modes)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+    if "as_written" in (mode if isinstance(mode, tuple) else (mode,)):
+        raise argparse.ArgumentTypeError("'as_written' is for a schedule written by hand; lab.train runs built-in "
+                                         "ones: use always, except_last or never (one, or one per stage)")
+    return mode
+
+
+def per_stage(mode) -> str:
+    """A checkpoint mode as the command line writes it: "never", or "always,never" (one per stage)."""
+    return ",".join(mode) if isinstance(mode, tuple) else mode
 
 
 def backend_for(device: str, gpus: list[str]) -> str:
@@ -148,7 +169,7 @@ def main(argv=None) -> int:
     model = zoo.build(args.blocks, args.width, args.seed)
     virtual = args.virtual_stages or SCHEDULES[args.schedule].fewest_chunks
     try:
-        check_layout(args.schedule, stages, args.micro_batches, virtual, zoo.layer_count(args.blocks))
+        check_layout(args.schedule, stages, args.micro_batches, virtual, zoo.layer_count(args.blocks), args.checkpoint)
     except ValueError as error:
         if rank == 0:
             print(f"python -m lab.train: error: {error}", file=sys.stderr)
@@ -163,7 +184,7 @@ def main(argv=None) -> int:
     if rank == 0:
         print(f"# lab.train: char Transformer, {zoo.layer_count(args.blocks)} layers, width {args.width}, "
               f"batch {args.batch}, K={stages}, M={args.micro_batches}, {args.schedule}"
-              + (f" (v={virtual})" if virtual > 1 else "") + f", checkpoint {args.checkpoint}; "
+              + (f" (v={virtual})" if virtual > 1 else "") + f", checkpoint {per_stage(args.checkpoint)}; "
               f"{transport}; stages on {pipe.devices[0].type}", flush=True)
     start, window, losses = time.perf_counter(), time.perf_counter(), []
     for step in range(1, args.steps + 1):

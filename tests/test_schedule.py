@@ -29,6 +29,44 @@ def test_checkpoint_modes():
         checkpointed(0, 4, "sometimes")
 
 
+def test_recompute_chosen_per_stage():
+    """One mode per stage: stage 0 (which holds the most micro-batches under 1F1B) recomputes, the
+    others keep their activations; every builder follows it, and check holds a schedule to it."""
+    from engine.schedule import check, recomputed
+    for name, kind in SCHEDULES.items():
+        micro = 4
+        plan = kind(2, micro, ("always", "never"), kind.fewest_chunks)
+        stage_of = {t.chunk: k for k, tasks in enumerate(plan) for t in tasks}
+        assert {stage_of[c] for c, _ in recomputed(plan)} == {0}, name
+        assert len(recomputed(plan)) == micro * kind.fewest_chunks, name
+        check(plan, micro, ("always", "never"))
+        with pytest.raises(ValueError, match=r"a recompute of micro-batch \d, which kept its activations under "
+                                             "checkpoint='never' on stage 0"):
+            check(plan, micro, ("never", "never"))
+    assert checkpointed(3, 4, ("never", "except_last"), 1) is False and checkpointed(2, 4, ("never", "except_last"), 1)
+    with pytest.raises(ValueError, match=r"names 3 modes for 2 stages: expected one mode, or one per stage"):
+        gpipe(2, 4, ("always", "never", "never"))
+    with pytest.raises(ValueError, match="'sometimes' is not a checkpoint mode"):
+        gpipe(2, 4, ("always", "sometimes"))
+    with pytest.raises(ValueError, match="'as_written' recomputes what a written schedule's R tasks say"):
+        one_f_one_b(2, 4, "as_written")
+
+
+def test_as_written_recomputes_what_the_schedule_says():
+    """Under "as_written" the R tasks are the plan: any micro-batch may have one or not, and where
+    one is written it still has to sit between its F and its B."""
+    from engine.schedule import Schedule, check, recomputed
+    some = Schedule([[Task("F", 0), Task("F", 1), Task("R", 0), Task("B", 0), Task("B", 1)],
+                     [Task("F", 0, 1), Task("B", 0, 1), Task("F", 1, 1), Task("R", 1, 1), Task("B", 1, 1)]])
+    check(some, 2, "as_written")
+    assert recomputed(some) == {(0, 0), (1, 1)}
+    late = Schedule([some[0], [Task("F", 0, 1), Task("B", 0, 1), Task("F", 1, 1), Task("B", 1, 1), Task("R", 1, 1)]])
+    with pytest.raises(ValueError, match="stage 1 runs B1 before R1"):
+        check(late, 2, "as_written")
+    with pytest.raises(ValueError, match="stage 1 never runs R0: checkpoint='always' keeps only its input"):
+        check(some, 2, ("as_written", "always"))
+
+
 def test_forward_only():
     assert [ops(t) for t in forward_only(loop(2, 2), 2)] == ["F0 F1", "F0 F1"]
     assert [[(t.micro, t.chunk) for t in tasks] for tasks in forward_only(loop(2, 4), 2)] == \

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from engine import GPipe
-from engine.schedule import SCHEDULES, Schedule, gpipe
+from engine.schedule import SCHEDULES, Schedule, Task, gpipe
 from lab import schedule_memory
 from lab.models import build_mlp
 
@@ -19,7 +19,7 @@ def measured_and_predicted(schedule, checkpoint, virtual=1):
                  threads_per_stage=1)
     pipe.step(x, y, torch.nn.functional.mse_loss)
     chunks = schedule_memory.measure_chunks(pipe.partitions, x[: 32 // M])
-    predicted = schedule_memory.peaks(pipe.task_lists(M), M, checkpoint, chunks, x.untyped_storage().nbytes())
+    predicted = schedule_memory.peaks(pipe.task_lists(M), chunks, x.untyped_storage().nbytes())
     pipe.close()
     return [m.activation_peak_bytes for m in pipe.trace.memory], predicted
 
@@ -43,6 +43,22 @@ def test_recomputes_moved_before_every_backward_are_predicted_too():
     measured, predicted = measured_and_predicted(recomputes_first(gpipe(2, M, "always")), "always")
     assert all(abs(p - m) <= 0.1 * m for p, m in zip(predicted, measured)), (measured, predicted)
     assert measured[0] > 3 * measured_and_predicted("gpipe", "always")[0][0], "moving R up costs memory"
+
+
+def test_recompute_per_stage_and_per_micro_batch_is_predicted_and_saves_where_it_runs():
+    """GPipe with stage 0 alone recomputing, and written with only stage 0's even micro-batches
+    recomputed ("as_written"): predicted within 10 %; stage 0 holds less than without recompute
+    (the even half: between the two), stage 1 as much."""
+    never, always = (measured_and_predicted("gpipe", mode)[0] for mode in ("never", "always"))
+    per_stage = measured_and_predicted("gpipe", ("always", "never"))
+    plan = gpipe(2, M, "never")
+    plan[0] = [t for task in plan[0] for t in [Task("R", task.micro, 0)] * (task.op == "B" and task.micro % 2 == 0)
+               + [task]]
+    per_micro = measured_and_predicted(Schedule(plan), "as_written")
+    for measured, predicted in (per_stage, per_micro):
+        assert all(abs(p - m) <= 0.1 * m for p, m in zip(predicted, measured)), (measured, predicted)
+        assert measured[0] < never[0] and measured[1] == never[1], (measured, never)
+    assert always[0] == per_stage[0][0] < per_micro[0][0] < never[0]
 
 
 @pytest.mark.parametrize("model", ["mlp", "transformer"])
@@ -71,9 +87,9 @@ def test_a_memory_cap_per_stage_is_checked_and_the_first_task_past_it_named():
     pipe.close()
     cap, whole = measured_and_predicted("gpipe", "always")[0][0], x.untyped_storage().nbytes()
     plain = gpipe(2, M, "always")
-    schedule_memory.check_cap(Schedule(plain), M, "always", chunks, whole, cap)
+    schedule_memory.check_cap(Schedule(plain), chunks, whole, cap)
     early = recomputes_first(plain)
     with pytest.raises(ValueError, match=rf"stage 0 holds \d+ bytes of activations after R\d, over its cap of {cap}"):
-        schedule_memory.check_cap(early, M, "always", chunks, whole, cap)
+        schedule_memory.check_cap(early, chunks, whole, cap)
     with pytest.raises(ValueError, match="3 caps for 2 stages"):
-        schedule_memory.check_cap(early, M, "always", chunks, whole, [cap] * 3)
+        schedule_memory.check_cap(early, chunks, whole, [cap] * 3)

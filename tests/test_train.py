@@ -71,3 +71,21 @@ def test_every_schedule_trains_with_the_chunks_per_stage_it_needs(capsys):
     assert capsys.readouterr().err.strip().splitlines() == [
         "python -m lab.train: error: virtual_stages=2: schedule='1f1b' places 1 chunk on a stage; several chunks per "
         "stage: schedule='interleaved', 'zb-v'"]
+
+
+def test_recompute_chosen_per_stage_trains_as_without_it(capsys):
+    """`--checkpoint always,never`: stage 0 alone recomputes; the losses are those of no recompute,
+    bit for bit. A count of modes that is not K, or "as_written" (for hand-written schedules), is one line."""
+    small = ["--steps", "2", "--log-every", "1", "--blocks", "2", "--width", "16", "--batch", "8"]
+    assert train.main([*small, "--checkpoint", "never"]) == 0
+    plain = losses(capsys.readouterr().out)
+    assert train.main([*small, "--checkpoint", "always,never"]) == 0
+    out = capsys.readouterr().out
+    assert "checkpoint always,never;" in out and losses(out) == plain
+    assert train.main([*small, "--checkpoint", "always,never,never"]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        "python -m lab.train: error: checkpoint=('always', 'never', 'never') names 3 modes for 2 stages: expected "
+        "one mode, or one per stage"]
+    with pytest.raises(SystemExit):
+        train.main([*small, "--checkpoint", "as_written"])
+    assert "'as_written' is for a schedule written by hand" in capsys.readouterr().err

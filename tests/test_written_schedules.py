@@ -186,6 +186,35 @@ def test_zb_v_and_written_schedules_give_the_unpipelined_gradients_bitwise_acros
             assert max((a - b).abs().max().item() for a, b in zip(got[0], whole)) < 1e-10
 
 
+def some_recomputed(stages, micro):
+    """1F1B with only stage 0's even micro-batches recomputed: a plan no single mode makes."""
+    plan = one_f_one_b(stages, micro, "never")
+    plan[0] = [t for task in plan[0] for t in ([Task("R", task.micro, 0)] if task.op == "B" and task.micro % 2 == 0
+                                               else []) + [task]]
+    return Schedule(plan)
+
+
+def test_recompute_per_stage_and_as_written_gives_the_unpipelined_gradients_bitwise():
+    """Recompute chosen per stage for every built-in schedule, and per micro-batch by a written
+    schedule's R's ("as_written"): the gradients are those without recompute, bit for bit, and
+    within 1e-10 of one device; the trace shows R exactly where it was asked for."""
+    whole = reference()
+    for name, kind in SCHEDULES.items():
+        plain = float64_step(2, name, "never", virtual_stages=kind.fewest_chunks)[0]
+        got, _, trace = float64_step(2, name, ("always", "never"), virtual_stages=kind.fewest_chunks)
+        assert all(torch.equal(a, b) for a, b in zip(got, plain)), name
+        assert max((a - b).abs().max().item() for a, b in zip(got, whole)) < 1e-10, name
+        assert {e.stage for e in trace.events if e.op == "R"} == {0}, name
+    got, _, trace = float64_step(2, some_recomputed(2, 4), "as_written")
+    assert sorted((e.stage, e.micro) for e in trace.events if e.op == "R") == [(0, 0), (0, 2)]
+    assert max((a - b).abs().max().item() for a, b in zip(got, whole)) < 1e-10
+    with pytest.raises(ValueError, match="'as_written' recomputes what a written schedule's R tasks say, but "
+                                         "schedule='1f1b' is built by rule"):
+        GPipe(mlp(), 2, chunks=4, schedule="1f1b", checkpoint="as_written")
+    with pytest.raises(ValueError, match=r"checkpoint=\('always', 'never', 'never'\) names 3 modes for 2 stages"):
+        GPipe(mlp(), 2, chunks=4, checkpoint=["always", "never", "never"])
+
+
 def test_torchs_whole_backward_beside_split_ones_is_a_b_and_its_w():
     """torch.distributed.pipelining's B is a whole backward; mixed with I and W (split ones) it is
     the lab's B followed by its W, so every micro-batch's weights get their gradient."""
@@ -273,7 +302,9 @@ def test_written_schedules_on_stage_processes_equal_threads_bitwise():
         try:
             torchs = [(parse(torch_schedules.exported(name, stages, 4, "compute_comms")), "never")  # DualPipeV:
                       for name in sorted(torch_schedules.SHAPES) if name != "ScheduleDualPipeV" or stages == 2]  # M >= 2K
-            for schedule, checkpoint in [("zb-v", "always"), (parse(format(zb_h1(stages, 4, "never"))), "never"), *torchs]:
+            for schedule, checkpoint in [("zb-v", "always"), (parse(format(zb_h1(stages, 4, "never"))), "never"),
+                                         ("1f1b", ("always",) + ("never",) * (stages - 1)),
+                                         (some_recomputed(stages, 4), "as_written"), *torchs]:
                 options = dict(balance=stages, chunks=4, schedule=schedule, checkpoint=checkpoint,
                                **({"virtual_stages": 2} if schedule == "zb-v" else {}))
                 pool.build("small_models:mlp", dict(dtype=torch.float64), **options)
