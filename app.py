@@ -467,13 +467,55 @@ def show_writer(record: RunRecord, config: RunConfig) -> None:
     except ValueError as error:  # e.g. more chunks than the model has layers
         st.error(f"It cannot run on this model: {error}")
         return
+    show_runs(runs, "writer_measured")
+
+
+def show_runs(runs: list, key: str) -> None:
+    """Schedules run side by side: their measured timelines, peaks and gradients."""
     st.plotly_chart(charts.stacked_gantt([r.timeline for r in runs],
                                          [f"{r.timeline.label}: bubble {r.timeline.bubble:.0%}" for r in runs]),
-                    key="writer_measured")
+                    key=key)
     st.dataframe([{"schedule": r.label, "makespan (ms)": round(r.timeline.makespan * 1e3, 1),
                    "activation peak per stage (KiB)": ", ".join(f"{p / 1024:.0f}" for p in r.peaks),
                    "predicted from its tasks (KiB)": ", ".join(f"{p / 1024:.0f}" for p in r.predicted_peaks),
                    "gradients": schedule_writer.exactness_line(r)} for r in runs], hide_index=True)
+
+
+def show_search(config: RunConfig) -> None:
+    """Section 9's search: a schedule found for these settings' measured costs under the cap, its
+    predictions beside the built-in schedules', then all of them run in the same rounds."""
+    st.markdown("**Or let the lab find one.** It times this model's F, B and W on each stage, then searches "
+                "the orders of tasks (W split off or not, no recompute) for the fastest whose predicted "
+                "activations stay under the cap above: every order where K and M are small, the zero-bubble "
+                "paper's kind of heuristic beyond.")
+    cap = st.session_state.get("writer_cap", 0)
+    wanted = (config, cap)
+    if st.button("find a schedule", key="search_find"):
+        try:
+            st.session_state["search_found"] = (wanted, *schedule_search.find(config, cap * 1024 or None))
+        except ValueError as error:
+            st.error(f"No schedule fits: {error}")
+            return
+    if st.session_state.get("search_found", (None,))[0] != wanted:
+        return
+    _, found, rows = st.session_state["search_found"]
+    st.success(f"found: predicted {found.makespan * 1e3:.2f} ms ({found.how})")
+    st.dataframe([{"schedule": r.label, "predicted makespan (ms)": round(r.makespan * 1e3, 2),
+                   "predicted activation peak per stage (KiB)": ", ".join(f"{p / 1024:.0f}" for p in r.peaks),
+                   "within the cap": "yes" if r.fits else "no"} for r in rows], hide_index=True)
+    st.code(schedule_writer.format(found.schedule), language=None)
+    st.button("put it in the box above", key="search_to_box", on_click=put_in_box,
+              args=(schedule_writer.format(found.schedule),))
+    if st.button("run them side by side", key="search_run"):
+        runs = schedule_writer.run_beside_gpipe(config.but(checkpoint="never"), found.schedule, rounds=3,
+                                                also=schedule_search.COMPARED, called="searched")
+        show_runs(runs, "search_measured")
+        st.caption(compare_rounds({r.label: list(r.steps) for r in runs}).line)
+
+
+def put_in_box(text: str) -> None:
+    """Load a found schedule into section 9's text box (before the box is drawn again)."""
+    st.session_state["writer_text"] = text
 
 
 def open_page() -> tuple[Optional[RunConfig], object]:
@@ -518,6 +560,7 @@ def main(config: Optional[RunConfig], chart) -> None:
         show_compare(record, config)
         show_downloads(record)
         show_writer(record, config)
+        show_search(config)
     except StageProcessError as error:
         st.error(f"A stage process stopped: {error}. The next run starts new stage processes.")
     except (RuntimeError, MemoryError) as error:
@@ -533,8 +576,9 @@ if "torch" not in sys.modules:
     # the theory diagram first (on 2 cores the diagram then shows after ~6 s instead of ~8 s).
     time.sleep(BROWSER_HEAD_START_SECONDS)
 # Only now the engine and torch load (seconds, the first time this server runs the page).
-from lab import processes, schedule_race, speedup, tables  # noqa: E402
+from lab import processes, schedule_race, schedule_search, speedup, tables  # noqa: E402
 from lab.experiments import RunRecord, run  # noqa: E402
 from lab.processes import StageProcessError  # noqa: E402
+from lab.verdict import compare as compare_rounds  # noqa: E402
 
 main(*opening)

@@ -244,13 +244,15 @@ class Ran:
     predicted_peaks: tuple = ()   # each stage's, from where its tasks sit (lab.schedule_memory)
 
 
-def run_beside_gpipe(config: RunConfig, schedule: Schedule, rounds: int = 1) -> list[Ran]:
-    """Steps of `schedule` on the configuration's model, its stages as the configuration says
-    (threads or processes), beside GPipe's at the same K and M: one step of each to warm up, then
-    `rounds` rounds of one step of each, in turn, so that the host's load falls on both alike
-    (lab.verdict judges the rounds). The gradients of each (every step starts from zero, no
-    optimizer steps) against the unpipelined step on the whole mini-batch (against GPipe's, for a
-    model with dropout, whose masks the pipeline draws per micro-batch)."""
+def run_beside_gpipe(config: RunConfig, schedule: Schedule, rounds: int = 1, also: tuple = (),
+                     called: str = "written") -> list[Ran]:
+    """Steps of `schedule` (labelled `called`) on the configuration's model, its stages as the
+    configuration says (threads or processes), beside GPipe's at the same K and M, and beside each
+    built-in schedule named in `also` (at the fewest chunks per stage it places): one step of each
+    to warm up, then `rounds` rounds of one step of each, in turn, so that the host's load falls on
+    all alike (lab.verdict judges the rounds). The gradients of each (every step starts from zero,
+    no optimizer steps) against the unpipelined step on the whole mini-batch (against GPipe's, for
+    a model with dropout, whose masks the pipeline draws per micro-batch)."""
     from .exactness import has_dropout, unpipelined_gradients  # torch loads here, not with the page
     from .experiments import build, choose_balance, schedule_peaks, stepper_for
     from .replay import measured
@@ -263,8 +265,10 @@ def run_beside_gpipe(config: RunConfig, schedule: Schedule, rounds: int = 1) -> 
         raise ValueError(f"the schedule has {len(schedule)} stages but the setting has K={config.stages}")
     virtual = len(schedule.placement) // len(schedule)
     schedules.check_layout("written", config.stages, micro, virtual, config.layers)  # a layer or more per chunk
-    sides = (("written", config.but(virtual_stages=virtual), schedule),
-             ("GPipe", config.but(schedule="gpipe", virtual_stages=1), None))
+    sides = ((called, config.but(virtual_stages=virtual), schedule),
+             ("GPipe", config.but(schedule="gpipe", virtual_stages=1), None),
+             *((schedules.SCHEDULES[name].label, config.but(schedule=name, virtual_stages=schedules.SCHEDULES[
+                 name].fewest_chunks), None) for name in also if name != "gpipe"))
     traces: dict[str, list] = {label: [] for label, _, _ in sides}
     gradients, predicted = {}, {}
     for number in range(rounds + 1):  # round 0 warms up: the first step pays for allocations

@@ -400,3 +400,33 @@ def test_a_written_schedule_is_checked_predicted_and_run_beside_gpipe(app):
     assert not app.exception
     assert any("It cannot run on this model" in e.value and "only 4 layers" in e.value for e in app.error), \
         [e.value for e in app.error]
+
+
+def test_section_9_finds_a_schedule_under_the_cap_and_runs_it_beside_the_others(app):
+    """The search on the page: predicted no slower than 1F1B and ZB-H1 on this model's measured
+    costs, within the cap, put into the box on a click, and run beside the built-in schedules with
+    the gradients of the unpipelined step."""
+    app.run()
+    small(app, stages=2, micro=4, blocks=8, recompute="off")
+    app.button(key="search_find").click().run()
+    assert not app.exception and app.success[-1].value.startswith("found: predicted ")
+    table = app.dataframe[-1].value
+    assert list(table["schedule"]) == ["searched", "GPipe (fill, drain)", "1F1B", "zero bubble (ZB-H1)",
+                                       "zero bubble V (ZB-V)"]
+    time = dict(zip(table["schedule"], table["predicted makespan (ms)"]))
+    assert time["searched"] <= min(time["1F1B"], time["zero bubble (ZB-H1)"])
+    one_f_one_b = max(map(int, table["predicted activation peak per stage (KiB)"][2].split(", ")))
+    app.number_input(key="writer_cap").set_value(one_f_one_b - 1).run()  # under 1F1B's peak: it no longer fits
+    app.button(key="search_find").click().run()
+    table = app.dataframe[-1].value
+    assert list(table["within the cap"])[:3] == ["yes", "no", "no"], table
+    assert max(map(int, table["predicted activation peak per stage (KiB)"][0].split(", "))) <= one_f_one_b - 1
+    found = app.code[-1].value
+    app.button(key="search_to_box").click().run()
+    assert app.text_area(key="writer_text").value == found
+    app.button(key="search_run").click().run()
+    assert not app.exception
+    measured = app.dataframe[-1].value
+    assert list(measured["schedule"]) == ["searched", "GPipe", "1F1B", "zero bubble (ZB-H1)", "zero bubble V (ZB-V)"]
+    for line in measured["gradients"]:
+        assert "from the unpipelined step" in line and float(line.rsplit(" ", 1)[1]) < 1e-5, line

@@ -15,6 +15,7 @@ from small_models import grads, mlp
 from engine import GPipe
 from engine.schedule import SCHEDULES, Schedule, Task, check, interleaved, loop, one_f_one_b, v_shape, zb_h1, zb_v
 from lab.exactness import unpipelined_gradients
+from lab.schedule_search import Costs, search
 from lab.schedule_writer import format, parse
 
 LOSS = nn.CrossEntropyLoss()
@@ -304,7 +305,9 @@ def test_written_schedules_on_stage_processes_equal_threads_bitwise():
                       for name in sorted(torch_schedules.SHAPES) if name != "ScheduleDualPipeV" or stages == 2]  # M >= 2K
             for schedule, checkpoint in [("zb-v", "always"), (parse(format(zb_h1(stages, 4, "never"))), "never"),
                                          ("1f1b", ("always",) + ("never",) * (stages - 1)),
-                                         (some_recomputed(stages, 4), "as_written"), *torchs]:
+                                         (some_recomputed(stages, 4), "as_written"),
+                                         (search(stages, 4, Costs((1.0,) * (stages - 1) + (3.0,), (1.0,) * stages,
+                                                                  (1.0,) * stages)).schedule, "never"), *torchs]:
                 options = dict(balance=stages, chunks=4, schedule=schedule, checkpoint=checkpoint,
                                **({"virtual_stages": 2} if schedule == "zb-v" else {}))
                 pool.build("small_models:mlp", dict(dtype=torch.float64), **options)

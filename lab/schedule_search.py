@@ -1,0 +1,390 @@
+"""Finding a schedule instead of writing one: given each stage's measured task times, K, M and a
+cap on each stage's activation bytes, the fastest order of tasks that fits.
+
+The search space is the zero-bubble paper's (Qi et al., 2023), one chunk per stage and no
+recompute: each backward split into B (input gradient, sent upstream) and W (weight gradient, free
+to move), or, as a second space, whole backwards (one pass can cost less than B and W apart: on
+a CPU it often does); each stage runs its F's, B's and W's in micro-batch order (micro-batches
+cost alike, so another order buys nothing). A schedule's time is `engine.schedule.timeline` on the
+given costs, its memory `lab.schedule_memory.footprints` on the measured bytes: the predictions
+`check` and the cap make.
+
+- **Heuristic**, in the spirit of the paper's: lay tasks onto the clock, a free stage running a
+  ready B first (the critical path), else a ready F if the stage holds fewer than a limit of
+  micro-batches and the cap allows, else its oldest pending W (so W's fill what would be idle time
+  and free memory an F waits for; "eager": right after their B). Every limit from 1 to M with W's
+  late, eager or whole is tried, with GPipe, 1F1B and ZB-H1 themselves; the fastest that fits wins.
+- **Exact** for small K and M: from the heuristic's best, a depth-first search over every order of
+  both spaces, one task at a time on the stage free earliest (or that stage waits for another's
+  task), pruned by a lower bound and by the cap. It says whether it finished within `exact_limit`
+  steps; where it did not, the answer is the best found, and said so.
+"""
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+from engine.schedule import SCHEDULES, Schedule, Task, timeline
+
+from .config import RunConfig, micro_batch_count
+from .schedule_memory import ChunkBytes, footprints
+
+
+@dataclass(frozen=True)
+class Costs:
+    """Each stage's time for one micro-batch's F, B (with W split off: the input gradient only) and
+    W, and the time a message takes between stages, in one unit (seconds, or unit costs); `whole`,
+    where measured, the backward's time without W split off (one pass instead of two can be
+    cheaper than B and W together), else B + W."""
+
+    forward: tuple[float, ...]
+    backward: tuple[float, ...]
+    weights: tuple[float, ...]
+    latency: float = 0.0
+    whole: Optional[tuple[float, ...]] = None
+
+    def __post_init__(self):
+        counts = {len(self.forward), len(self.backward), len(self.weights), len(self.whole or self.forward)}
+        if len(counts) != 1 or not self.forward:
+            raise ValueError(f"costs for {len(self.forward)}, {len(self.backward)} and {len(self.weights)} stages: "
+                             f"expected F, B and W times for every stage")
+        if min(self.forward + self.backward + self.weights + (self.whole or ())) < 0 or self.latency < 0:
+            raise ValueError("a task's time or the latency is negative: expected times >= 0")
+
+    @property
+    def stages(self) -> int:
+        return len(self.forward)
+
+    def duration(self, stage: int, task: Task, split: bool = True) -> float:
+        """A task's time on its stage; without W's split off (`split` False) a B is the whole backward."""
+        if task.op == "F":
+            return self.forward[stage]
+        if task.op == "W":
+            return self.weights[stage]
+        if split:
+            return self.backward[stage]
+        return self.whole[stage] if self.whole else self.backward[stage] + self.weights[stage]
+
+
+def unit_costs(stages: int) -> Costs:
+    """F = B = W = 1 on every stage, no latency: the zero-bubble paper's textbook setting."""
+    return Costs((1.0,) * stages, (1.0,) * stages, (1.0,) * stages)
+
+
+def measured_costs(events: list[dict], latency: float = 0.0, whole: Optional[list[dict]] = None) -> Costs:
+    """Each stage's median F, B and W seconds from a run's events with W split off (ZB-H1's, say;
+    lab.experiments.solo_run times each task alone), `latency` per message, and the whole
+    backward's from the events of a run without W's (`whole`, 1F1B's say), where given."""
+    median = _medians(events)
+    stages = 1 + max(stage for stage, _ in median)
+    missing = [f"{op} on stage {k}" for k in range(stages) for op in "FBW" if (k, op) not in median]
+    if missing:
+        raise ValueError(f"no {', '.join(missing)} among the events: expected a run with W split off (zb-h1)")
+    backward = None if whole is None else _medians(whole)
+    if backward is not None and any((k, "B") not in backward or (k, "W") in backward for k in range(stages)):
+        raise ValueError("the whole backward's events: expected a B on every stage and no W (a run without W's)")
+    return Costs(*(tuple(median[(k, op)] for k in range(stages)) for op in "FBW"), latency=latency,
+                 whole=None if backward is None else tuple(backward[(k, "B")] for k in range(stages)))
+
+
+def _medians(events: list[dict]) -> dict[tuple[int, str], float]:
+    """The median duration of each (stage, op) among the events."""
+    times: dict[tuple[int, str], list[float]] = {}
+    for e in events:
+        times.setdefault((e["stage"], e["op"]), []).append(e["end"] - e["start"])
+    return {key: sorted(v)[len(v) // 2] for key, v in times.items()}
+
+
+def makespan(schedule: Schedule, costs: Costs) -> float:
+    """A schedule's predicted time on these costs (its tasks laid onto their dependencies; a stage
+    of v chunks spends 1/v of its time on each)."""
+    split, share = any(t.op == "W" for tasks in schedule for t in tasks), len(schedule) / len(schedule.placement)
+    times = timeline(schedule, lambda k, task: costs.duration(k, task, split) * share, costs.latency)
+    return max(end for stage in times for _, end in stage)
+
+
+def stage_peaks(schedule: Schedule, chunks: list[ChunkBytes], batch_bytes: int) -> list[int]:
+    """Each stage's predicted activation peak in bytes (lab.schedule_memory)."""
+    return [max((held for _, held in line), default=0) for line in footprints(schedule, chunks, batch_bytes)]
+
+
+@dataclass(frozen=True)
+class Found:
+    """The search's answer: the schedule, its predicted time and peaks, whether the search covered
+    every order (`exact`) or took the heuristic's best, and how it was found, in words."""
+
+    schedule: Schedule
+    makespan: float
+    peaks: tuple[int, ...]
+    exact: bool
+    how: str
+
+
+class _Bytes:
+    """What F, B and W add and free on each stage (one chunk per stage), as lab.schedule_memory counts
+    them: F holds the chunk's input and saved tensors (the first stage: the mini-batch's storage once,
+    while any micro-batch is held), B frees all but what W's graph keeps, W frees the rest."""
+
+    def __init__(self, chunks: list[ChunkBytes], batch_bytes: int):
+        first = lambda c: c == 0
+        self.held = [sum(n for _, n in b.saved) + (0 if first(c) else b.input) for c, b in enumerate(chunks)]
+        self.kept = [sum(n for name, n in b.saved if name in b.kept_for_w) +
+                     (b.input if "in" in b.kept_for_w and not first(c) else 0) for c, b in enumerate(chunks)]
+        self.base = [batch_bytes] + [0] * (len(chunks) - 1)
+
+    def change(self, stage: int, op: str, split: bool) -> int:
+        """What a task of `op` adds to (or frees from) its stage's bytes."""
+        return {"F": self.held[stage], "B": (self.kept[stage] if split else 0) - self.held[stage],
+                "W": -self.kept[stage]}[op]
+
+
+def search(stages: int, micro_batches: int, costs: Costs, chunks: Optional[list[ChunkBytes]] = None,
+           batch_bytes: int = 0, cap: Optional[Sequence[int]] = None, exact_limit: int = 50_000) -> Found:
+    """The fastest schedule (by `makespan` on `costs`) whose predicted activations stay under `cap`
+    (bytes per stage, one number or one per stage; None: no cap, and `chunks` may be None). Exact when
+    the search finishes within `exact_limit` nodes, else the heuristic's best. Raises ValueError when
+    no schedule fits (the cap is below one micro-batch on some stage)."""
+    if costs.stages != stages:
+        raise ValueError(f"costs for {costs.stages} stages, but K={stages}")
+    if stages < 1 or micro_batches < 1:
+        raise ValueError(f"need K >= 1 and M >= 1, got K={stages} and M={micro_batches}")
+    caps = None if cap is None else (list(cap) if isinstance(cap, (list, tuple)) else [cap] * stages)
+    if caps is not None and (chunks is None or len(chunks) != stages or len(caps) != stages):
+        raise ValueError(f"a cap needs each of the {stages} stages' chunk bytes and one cap (or one per stage)")
+    sizes = _Bytes(chunks, batch_bytes) if caps is not None else None
+    if sizes is not None:
+        for k in range(stages):
+            if sizes.base[k] + sizes.held[k] > caps[k]:
+                raise ValueError(f"stage {k} holds {sizes.base[k] + sizes.held[k]} bytes with one micro-batch, over "
+                                 f"its cap of {caps[k]} bytes: no order of tasks fits (recompute, or more stages)")
+    best = _heuristic(stages, micro_batches, costs, sizes, caps, chunks, batch_bytes)
+    schedule, how, nodes, finished = best[1], best[2], 0, True
+    for split in (True, False):  # the orders with W's split off, then those with whole backwards
+        exact = _Exact(stages, micro_batches, costs, sizes, caps, (best[0], schedule), exact_limit, split)
+        if exact.best is not schedule:
+            schedule, how = exact.best, "the exact search"
+        nodes, finished = nodes + exact.nodes, finished and exact.nodes <= exact_limit
+        best = (exact.bound, schedule)
+    how += (f"; every order searched ({nodes} steps): none is faster" if finished else
+            f"; the heuristic's best: the exact search stopped at {exact_limit} steps")
+    peaks = tuple(stage_peaks(schedule, chunks, batch_bytes)) if chunks is not None else ()
+    return Found(schedule, makespan(schedule, costs), peaks, finished, how)
+
+
+def _fits(schedule: Schedule, chunks, batch_bytes: int, caps) -> bool:
+    return caps is None or all(p <= c for p, c in zip(stage_peaks(schedule, chunks, batch_bytes), caps))
+
+
+def _heuristic(stages: int, micro: int, costs: Costs, sizes, caps, chunks, batch_bytes) -> tuple[float, Schedule, str]:
+    """The fastest fitting schedule among the greedy variants and the named ones: (time, schedule, how)."""
+    tried = [(f"greedy, at most {limit} in flight, W {when}", _greedy(stages, micro, costs, sizes, caps, limit, when))
+             for limit in range(1, micro + 1) for when in ("late", "eager", "whole")]
+    tried += [(SCHEDULES[name].label, Schedule(SCHEDULES[name](stages, micro, "never"))) for name in
+              ("gpipe", "1f1b", "zb-h1")]
+    fitting = [(makespan(s, costs), i, s, how) for i, (how, s) in enumerate(tried)
+               if s is not None and _fits(s, chunks, batch_bytes, caps)]
+    if not fitting:
+        raise ValueError("no schedule the search tried fits the cap")
+    time, _, schedule, how = min(fitting, key=lambda f: (f[0], f[1]))
+    return time, schedule, how
+
+
+def _greedy(stages: int, micro: int, costs: Costs, sizes, caps, limit: int, when: str) -> Optional[Schedule]:
+    """One list schedule (see the module's docstring), laid on a clock that moves from one task's end
+    (or message's arrival) to the next: W's "late" or "eager", or none ("whole": each B the whole
+    backward). None if the limit or the cap stalls it."""
+    split = when != "whole"
+    per_stage = (3 if split else 2) * micro
+    plans: list[list[Task]] = [[] for _ in range(stages)]
+    ends: dict[Task, float] = {}
+    free, held, events = [0.0] * stages, [0] * stages, [0.0]
+    f, b, w = [0] * stages, [0] * stages, [0] * stages
+
+    def arrived(task: Task, k: int, clock: float) -> bool:
+        """Whether the task's input is on stage k by `clock`."""
+        needed, other = _needs(task, k, stages)
+        return needed is None or (needed in ends and ends[needed] + (costs.latency if other != k else 0.0) <= clock)
+
+    def fits(k: int) -> bool:
+        return caps is None or sizes.base[k] + held[k] + sizes.held[k] <= caps[k]
+
+    while events:
+        clock = heapq.heappop(events)
+        for k in (k for k in range(stages) if free[k] <= clock and len(plans[k]) < per_stage):
+            ready = [t for t in [Task("B", b[k], k)] * (b[k] < f[k]) if arrived(t, k, clock)] or \
+                [t for t in [Task("F", f[k], k)] * (f[k] < micro and f[k] - (w if split else b)[k] < limit and fits(k))
+                 if arrived(t, k, clock)]
+            if split and w[k] < b[k] and (when == "eager" or not ready):
+                ready = [Task("W", w[k], k)]   # right after its B, or where the stage would idle or wait for memory
+            if not ready:
+                continue
+            task = ready[0]
+            ends[task] = free[k] = clock + costs.duration(k, task, split)
+            plans[k].append(task)
+            heapq.heappush(events, free[k])
+            if costs.latency:
+                heapq.heappush(events, free[k] + costs.latency)
+            counter = {"F": f, "B": b, "W": w}[task.op]
+            counter[k] += 1
+            held[k] += sizes.change(k, task.op, split) if sizes else 0
+    return Schedule(plans) if all(len(p) == per_stage for p in plans) else None
+
+
+def _needs(task: Task, k: int, stages: int) -> tuple[Optional[Task], int]:
+    """The task another (or the same) stage must finish first, and that stage: F the previous
+    stage's F, B the next stage's B (the last stage: its own F), W its own B."""
+    if task.op == "F":
+        return (Task("F", task.micro, k - 1), k - 1) if k > 0 else (None, k)
+    if task.op == "B":
+        return (Task("B", task.micro, k + 1), k + 1) if k < stages - 1 else (Task("F", task.micro, k), k)
+    return Task("B", task.micro, k), k
+
+
+class _Exact:
+    """The depth-first search over every order (see the module's docstring), from the heuristic's
+    best (time, schedule, how) as the bound to beat; `best` is the schedule found, `nodes` the
+    count of steps taken (more than `limit`: stopped)."""
+
+    def __init__(self, stages: int, micro: int, costs: Costs, sizes, caps, start, limit: int, split: bool):
+        self.K, self.M, self.costs, self.sizes, self.caps, self.limit = stages, micro, costs, sizes, caps, limit
+        self.split, self.per_stage = split, (3 if split else 2) * micro
+        self.bound, self.best, self.nodes = start[0], start[1], 0
+        self.plans = [[] for _ in range(stages)]
+        self.ends: dict[Task, float] = {}
+        self.free, self.held = [0.0] * stages, [0] * stages
+        self.counts = [[0, 0, 0] for _ in range(stages)]  # F, B, W laid per stage
+        self.was_free: list[float] = []                     # each laid task's stage's free time before it
+        self.downstream = [sum(costs.forward[j] + costs.duration(j, Task("B", 0), split) + 2 * costs.latency
+                               for j in range(k + 1, stages)) for k in range(stages)]
+        self.left = [micro * sum(costs.duration(k, Task(op, 0), split) for op in "FBW"[:2 + split]) for k in range(stages)]
+        self._dive(frozenset(), {})
+
+    def _lower_bound(self) -> float:
+        """No order from here ends sooner: each stage has its remaining work to do, and a stage with
+        forwards left must still send its last one down and wait for its gradient to come back up
+        (the later stages' F and B of it, two messages per stage) before its last B (and W)."""
+        bound = 0.0
+        for k in range(self.K):
+            bound = max(bound, self.free[k] + self.left[k])
+            f = self.counts[k][0]
+            if f < self.M:
+                duration = lambda op, j=k: self.costs.duration(j, Task(op, 0), self.split)
+                bound = max(bound, self.free[k] + (self.M - f) * duration("F") + self.downstream[k] + duration("B")
+                            + (duration("W") if self.split else 0.0))
+        return bound
+
+    def _arrival(self, task: Task, k: int) -> Optional[float]:
+        """When the task's input is on stage k; None if the task it needs is not laid yet."""
+        needed, other = _needs(task, k, self.K)
+        if needed is None:
+            return 0.0
+        return None if needed not in self.ends else self.ends[needed] + (self.costs.latency if other != k else 0.0)
+
+    def _options(self, k: int) -> list[Task]:
+        f, b, w = self.counts[k]
+        tasks = [Task("B", b, k)] * (b < f) + [Task("F", f, k)] * (f < self.M) + [Task("W", w, k)] * (self.split and w < b)
+        if self.caps is not None and f < self.M:
+            sizes = self.sizes
+            if sizes.base[k] + self.held[k] + sizes.held[k] > self.caps[k]:
+                tasks.remove(Task("F", f, k))
+        return [t for t in tasks if self._arrival(t, k) is not None]
+
+    def _dive(self, waiting: frozenset, forbidden: dict) -> None:
+        self.nodes += 1
+        if self.nodes > self.limit:
+            return
+        open_ = [k for k in range(self.K) if len(self.plans[k]) < self.per_stage]
+        if not open_:
+            time = max(self.free)
+            if time < self.bound - 1e-12:
+                self.bound, self.best = time, Schedule([list(p) for p in self.plans])
+            return
+        if self._lower_bound() >= self.bound - 1e-12:
+            return
+        eligible = [k for k in open_ if k not in waiting]
+        if not eligible:
+            return  # every stage waits for another: this order deadlocks
+        k = min(eligible, key=lambda k: (self.free[k], k))
+        options = [t for t in self._options(k) if t not in forbidden.get(k, ())]
+        for task in options:
+            self._lay(k, task)
+            self._dive(frozenset(), {j: v for j, v in forbidden.items() if j != k})
+            self._unlay(k, task)
+            if self.nodes > self.limit:
+                return
+        if len(eligible) > 1:  # k waits for a task another stage has still to lay
+            self._dive(waiting | {k}, {**forbidden, k: forbidden.get(k, frozenset()) | frozenset(options)})
+
+    def _lay(self, k: int, task: Task) -> None:
+        start = max(self.free[k], self._arrival(task, k))
+        duration = self.costs.duration(k, task, self.split)
+        self.plans[k].append(task)
+        self.ends[task] = start + duration
+        self.was_free.append(self.free[k])
+        self.free[k] = start + duration
+        self.left[k] -= duration
+        self.counts[k]["FBW".index(task.op)] += 1
+        if self.sizes is not None:
+            self.held[k] += self.sizes.change(k, task.op, self.split)
+
+    def _unlay(self, k: int, task: Task) -> None:
+        self.plans[k].pop()
+        del self.ends[task]
+        self.free[k] = self.was_free.pop()
+        self.left[k] += self.costs.duration(k, task, self.split)
+        self.counts[k]["FBW".index(task.op)] -= 1
+        if self.sizes is not None:
+            self.held[k] -= self.sizes.change(k, task.op, self.split)
+
+
+# --- on a configuration of the lab: its costs and bytes measured, the search, its rivals ---------
+
+COMPARED = ("gpipe", "1f1b", "zb-h1", "zb-v")   # what a found schedule is shown beside
+
+
+def costs_for(config: RunConfig) -> Costs:
+    """The configuration's F, B and W seconds per stage, each task timed alone (serial steps of
+    ZB-H1, whose W's are split off, without recompute), the whole backward's (serial steps of 1F1B),
+    and the time of a message between stages as the run measured it (none between threads, which
+    pass references)."""
+    from .experiments import run
+    from .schedule_writer import message_seconds
+    split, whole = (run(config.but(schedule=name, virtual_stages=1, checkpoint="never"), replay="always")
+                    for name in ("zb-h1", "1f1b"))
+    return measured_costs(split.solo_events, message_seconds(split.messages), whole.solo_events)
+
+
+def bytes_for(config: RunConfig) -> tuple[list[ChunkBytes], int]:
+    """Each chunk's bytes for one micro-batch and the mini-batch's, measured on the configuration's model."""
+    from .experiments import build, choose_balance, chunk_bytes
+    model, (inputs, _), _ = build(config)
+    return chunk_bytes(config, model, inputs, choose_balance(config, model, inputs))
+
+
+@dataclass(frozen=True)
+class Predicted:
+    """A schedule's predictions on the measured costs and bytes: time, peak per stage, under the cap."""
+
+    label: str
+    makespan: float
+    peaks: tuple[int, ...]
+    fits: bool
+
+
+def find(config: RunConfig, cap: Optional[int] = None, exact_limit: int = 50_000) -> tuple[Found, list[Predicted]]:
+    """Search a schedule for the configuration (its K and M, its model's costs and bytes measured
+    here, `cap` bytes per stage), and predict GPipe, 1F1B, ZB-H1 and ZB-V without recompute on the
+    same costs and their own bytes, the found one first."""
+    plain = config.but(checkpoint="never", virtual_stages=1)
+    costs, (chunks, batch_bytes) = costs_for(plain), bytes_for(plain)
+    micro = micro_batch_count(config)
+    found = search(config.stages, micro, costs, chunks, batch_bytes, cap, exact_limit)
+    rows = [Predicted("searched", found.makespan, found.peaks, True)]
+    for name in COMPARED:
+        kind = SCHEDULES[name]
+        schedule = Schedule(kind(config.stages, micro, "never", kind.fewest_chunks))
+        own = bytes_for(plain.but(schedule=name, virtual_stages=kind.fewest_chunks))
+        peaks = tuple(stage_peaks(schedule, *own))
+        rows.append(Predicted(kind.label, makespan(schedule, costs), peaks, cap is None or max(peaks) <= cap))
+    return found, rows
