@@ -508,7 +508,7 @@ def show_search(config: RunConfig) -> None:
               args=(schedule_writer.format(found.schedule),))
     if st.button("run them side by side", key="search_run"):
         runs = schedule_writer.run_beside_gpipe(config.but(checkpoint="never"), found.schedule, rounds=3,
-                                                also=schedule_search.COMPARED, called="searched")
+                                                also=tuple(r.name for r in rows[1:]), called="searched")
         show_runs(runs, "search_measured")
         st.caption(compare_rounds({r.label: list(r.steps) for r in runs}).line)
 

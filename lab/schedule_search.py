@@ -364,8 +364,10 @@ def bytes_for(config: RunConfig) -> tuple[list[ChunkBytes], int]:
 
 @dataclass(frozen=True)
 class Predicted:
-    """A schedule's predictions on the measured costs and bytes: time, peak per stage, under the cap."""
+    """A schedule's predictions on the measured costs and bytes: time, peak per stage, under the cap
+    (`name`: the built-in schedule's, or "searched")."""
 
+    name: str
     label: str
     makespan: float
     peaks: tuple[int, ...]
@@ -375,16 +377,18 @@ class Predicted:
 def find(config: RunConfig, cap: Optional[int] = None, exact_limit: int = 50_000) -> tuple[Found, list[Predicted]]:
     """Search a schedule for the configuration (its K and M, its model's costs and bytes measured
     here, `cap` bytes per stage), and predict GPipe, 1F1B, ZB-H1 and ZB-V without recompute on the
-    same costs and their own bytes, the found one first."""
+    same costs and their own bytes (those the model can run: ZB-V needs 2K layers), the found one first."""
     plain = config.but(checkpoint="never", virtual_stages=1)
     costs, (chunks, batch_bytes) = costs_for(plain), bytes_for(plain)
     micro = micro_batch_count(config)
     found = search(config.stages, micro, costs, chunks, batch_bytes, cap, exact_limit)
-    rows = [Predicted("searched", found.makespan, found.peaks, True)]
+    rows = [Predicted("searched", "searched", found.makespan, found.peaks, True)]
     for name in COMPARED:
         kind = SCHEDULES[name]
+        if config.stages * kind.fewest_chunks > config.layers:
+            continue
         schedule = Schedule(kind(config.stages, micro, "never", kind.fewest_chunks))
         own = bytes_for(plain.but(schedule=name, virtual_stages=kind.fewest_chunks))
         peaks = tuple(stage_peaks(schedule, *own))
-        rows.append(Predicted(kind.label, makespan(schedule, costs), peaks, cap is None or max(peaks) <= cap))
+        rows.append(Predicted(name, kind.label, makespan(schedule, costs), peaks, cap is None or max(peaks) <= cap))
     return found, rows
