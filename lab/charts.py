@@ -36,7 +36,7 @@ def gantt(timeline: Timeline, title: Optional[str] = None, height: Optional[int]
     each stage shows its thread sending and reading messages ("act 3" forward, "grad 3" back);
     with replicas, an "all-reduce" bar after each stage's last task shows its gradients' sum.
     `critical`, the pieces of a critical path (lab.breakdown.critical_path), is drawn over the bars
-    as one line (critical_path_line)."""
+    as one line (critical_path_line), near their top edge, clear of the labels in their middle."""
     figure = go.Figure()
     scale = 1000.0 if timeline.unit == "s" else 1.0
     unit = "ms" if timeline.unit == "s" else timeline.unit
@@ -78,19 +78,25 @@ def gantt(timeline: Timeline, title: Optional[str] = None, height: Optional[int]
         rows = [row for k in range(timeline.stages) for row in (f"stage {k}", message_row(k))]
     default_title = (f"{timeline.label}: makespan {timeline.makespan * scale:.1f} {unit}, "
                      f"bubble {timeline.bubble:.0%}")
-    if critical:
-        figure.add_trace(critical_path_line(critical, scale, unit))
+    if critical:  # on a hidden numeric axis laid over the rows, so that it can sit above a row's middle
+        figure.add_trace(critical_path_line(critical, rows[::-1], scale, unit))
+        figure.update_layout(yaxis2=dict(overlaying="y", range=[-0.5, len(rows) - 0.5], visible=False))
     figure.update_layout(
         title=title or default_title, barmode="overlay", bargap=0.25, legend_title_text="task",
         xaxis_title=f"time ({unit})", height=height or 120 + 40 * len(rows),
-        yaxis=dict(categoryorder="array", categoryarray=rows[::-1]), margin=dict(l=10, r=10, t=50, b=40))
+        yaxis=dict(categoryorder="array", categoryarray=rows[::-1], range=[-0.5, len(rows) - 0.5]),
+        margin=dict(l=10, r=10, t=50, b=40))
     return figure
 
 
-def critical_path_line(pieces: Sequence, scale: float = 1000.0, unit: str = "ms") -> go.Scatter:
+ABOVE_THE_LABELS = 0.28  # of a row's height, from its middle: inside a bar (bargap 0.25: 0.375 high), over its label
+
+
+def critical_path_line(pieces: Sequence, rows: Sequence[str], scale: float = 1000.0, unit: str = "ms") -> go.Scatter:
     """The critical path as one line over a Gantt chart: along each of its tasks on that task's
-    stage row, jumping rows where a hand-over carried an activation or a gradient to the next
-    stage. Its points say what each piece was (task, hand-over, gap) and how long it took."""
+    stage row (`rows`, bottom up: the row's position on the axis "y2", a little above its middle),
+    jumping rows where a hand-over carried an activation or a gradient to the next stage. Its
+    points say what each piece was (task, hand-over, gap), on which stage, and how long it took."""
     x, y, text = [], [], []
     for piece in pieces:
         if piece.kind == "start":
@@ -98,10 +104,10 @@ def critical_path_line(pieces: Sequence, scale: float = 1000.0, unit: str = "ms"
         what = (f"{OPS[piece.event.op][0]} {piece.event.micro}" if piece.kind == "task" else piece.kind)
         for at in (piece.start, piece.end):
             x.append(at * scale)
-            y.append(f"stage {piece.stage}")
-            text.append(f"{what}, {(piece.end - piece.start) * scale:.2f} {unit}")
+            y.append(rows.index(f"stage {piece.stage}") + ABOVE_THE_LABELS)
+            text.append(f"stage {piece.stage}: {what}, {(piece.end - piece.start) * scale:.2f} {unit}")
     return go.Scatter(name="critical path", x=x, y=y, text=text, mode="lines", line=dict(color="#222", width=2.5),
-                      hovertemplate="critical path: %{text}<extra>%{y}</extra>")
+                      yaxis="y2", hovertemplate="critical path, %{text}<extra></extra>")
 
 
 WATERFALL_COLORS = {"increasing": "#E45756", "decreasing": "#54A24B", "totals": "#4C78A8"}

@@ -186,9 +186,12 @@ def test_the_gantt_draws_the_critical_path_over_its_tasks_and_the_waterfall_clim
     bars = {(y, base, base + width) for trace in figure.data if trace.type == "bar"
             for y, base, width in zip(trace.y, trace.base, trace.x)}
     drawn = [p for p in parts.path if p.kind != "start"]   # two points each: its start and its end
+    rows = list(figure.layout.yaxis.categoryarray)   # bottom up: row i's middle is at i on both axes
+    assert path.yaxis == "y2" and list(figure.layout.yaxis2.range) == list(figure.layout.yaxis.range) == [-0.5, 1.5]
     for piece, x0, x1, y0, y1 in zip(drawn, path.x[0::2], path.x[1::2], path.y[0::2], path.y[1::2]):
-        assert y0 == y1 == f"stage {piece.stage}" and (x0, x1) == (piece.start, piece.end)
-        assert piece.kind != "task" or (y0, x0, x1) in bars  # a task of the path is a drawn bar
+        row = rows.index(f"stage {piece.stage}")
+        assert y0 == y1 and row < y0 < row + 0.375 and (x0, x1) == (piece.start, piece.end)  # inside the bar, off its middle
+        assert piece.kind != "task" or (rows[row], x0, x1) in bars  # a task of the path is a drawn bar
     assert path.x[-1] == line.makespan and len(path.x) == 2 * sum(p.kind != "start" for p in parts.path)
     fall = charts.waterfall(parts.parts, parts.step, "where").data[0]
     assert list(fall.x) == [*breakdown.PARTS, "measured step"] and fall.measure[-1] == "total"
