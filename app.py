@@ -436,11 +436,15 @@ def show_writer(record: RunRecord, config: RunConfig) -> None:
                     name, config.stages, micro, config.checkpoint)
             except ValueError as error:
                 left.warning(f"{name} at these settings: {error}")
+    as_written = left.checkbox("recompute as written", key="writer_as_written",
+                               help="The R's you write decide which micro-batches each stage recomputes (any of "
+                                    "them, on any stage). Off: they must match the sidebar's recompute setting.")
+    mode = "as_written" if as_written else config.checkpoint
     lines = max(config.stages, st.session_state.get("writer_text", "").count("\n") + 1)  # a placement line too
-    text = right.text_area(f"the schedule (K = {config.stages}, M = {micro}, checkpoint '{config.checkpoint}')",
+    text = right.text_area(f"the schedule (K = {config.stages}, M = {micro}, checkpoint '{mode}')",
                            key="writer_text", height=40 + 28 * lines, max_chars=schedule_writer.MAX_CHARS)
     st.session_state["writer_saved"] = text
-    verdict = schedule_writer.examine(text, micro, config.checkpoint)
+    verdict = schedule_writer.examine(text, micro, mode)
     (st.success if verdict.legal else st.error)(verdict.line)
     if not verdict.legal:
         return
@@ -463,7 +467,7 @@ def show_writer(record: RunRecord, config: RunConfig) -> None:
     if not st.button("run it", key="writer_run"):
         return
     try:
-        runs = schedule_writer.run_beside_gpipe(config, verdict.schedule)
+        runs = schedule_writer.run_beside_gpipe(config, verdict.schedule, checkpoint=mode)
     except ValueError as error:  # e.g. more chunks than the model has layers
         st.error(f"It cannot run on this model: {error}")
         return

@@ -245,8 +245,9 @@ class Ran:
 
 
 def run_beside_gpipe(config: RunConfig, schedule: Schedule, rounds: int = 1, also: tuple = (),
-                     called: str = "written") -> list[Ran]:
-    """Steps of `schedule` (labelled `called`) on the configuration's model, its stages as the
+                     called: str = "written", checkpoint: Optional[str] = None) -> list[Ran]:
+    """Steps of `schedule` (labelled `called`; under `checkpoint`, "as_written" say, else the
+    configuration's) on the configuration's model, its stages as the
     configuration says (threads or processes), beside GPipe's at the same K and M, and beside each
     built-in schedule named in `also` (at the fewest chunks per stage it places): one step of each
     to warm up, then `rounds` rounds of one step of each, in turn, so that the host's load falls on
@@ -260,12 +261,13 @@ def run_beside_gpipe(config: RunConfig, schedule: Schedule, rounds: int = 1, als
     if rounds < 1:
         raise ValueError(f"rounds={rounds}: expected at least one measured round")
     micro = micro_batch_count(config)
-    schedules.check(schedule, micro, config.checkpoint)
+    checkpoint = checkpoint or config.checkpoint
+    schedules.check(schedule, micro, checkpoint)
     if len(schedule) != config.stages:
         raise ValueError(f"the schedule has {len(schedule)} stages but the setting has K={config.stages}")
     virtual = len(schedule.placement) // len(schedule)
     schedules.check_layout("written", config.stages, micro, virtual, config.layers)  # a layer or more per chunk
-    sides = ((called, config.but(virtual_stages=virtual), schedule),
+    sides = ((called, config.but(virtual_stages=virtual, checkpoint=checkpoint), schedule),
              ("GPipe", config.but(schedule="gpipe", virtual_stages=1), None),
              *((schedules.SCHEDULES[name].label, config.but(schedule=name, virtual_stages=schedules.SCHEDULES[
                  name].fewest_chunks), None) for name in also if name != "gpipe"))

@@ -430,3 +430,23 @@ def test_section_9_finds_a_schedule_under_the_cap_and_runs_it_beside_the_others(
     assert list(measured["schedule"]) == ["searched", "GPipe", "1F1B", "zero bubble (ZB-H1)", "zero bubble V (ZB-V)"]
     for line in measured["gradients"]:
         assert "from the unpipelined step" in line and float(line.rsplit(" ", 1)[1]) < 1e-5, line
+
+
+def test_section_9_recomputes_as_written_when_asked(app):
+    """With "recompute as written", the R's typed decide (here stage 0's micro-batch 0 alone, which the
+    sidebar's "off" refuses): checked, run beside GPipe, with the gradients of the unpipelined step."""
+    app.run()
+    small(app, stages=2, micro=4, blocks=8, recompute="off")
+    mine = "stage 0: F0 F1 F2 F3 B3 B2 B1 R0 B0\nstage 1: F0 F1 F2 F3 B3 B2 B1 B0"
+    app.text_area(key="writer_text").input(mine).run()
+    assert any("a recompute of micro-batch 0, which kept its activations under checkpoint='never'" in e.value
+               for e in app.error), [e.value for e in app.error]
+    app.checkbox(key="writer_as_written").check().run()
+    assert any(s.value.startswith("✓ legal") for s in app.success), [s.value for s in app.success]
+    assert "checkpoint 'as_written'" in app.text_area(key="writer_text").label
+    app.button(key="writer_run").click().run()
+    assert not app.exception
+    table = app.dataframe[-1].value
+    assert list(table["schedule"]) == ["written", "GPipe"]
+    for line in table["gradients"]:
+        assert "from the unpipelined step" in line and float(line.rsplit(" ", 1)[1]) < 1e-5, line
