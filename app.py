@@ -440,9 +440,9 @@ def show_writer(record: RunRecord, config: RunConfig) -> None:
                                help="The R's you write decide which micro-batches each stage recomputes (any of "
                                     "them, on any stage). Off: they must match the sidebar's recompute setting.")
     mode = "as_written" if as_written else config.checkpoint
-    lines = max(config.stages, st.session_state.get("writer_text", "").count("\n") + 1)  # a placement line too
     text = right.text_area(f"the schedule (K = {config.stages}, M = {micro}, checkpoint '{mode}')",
-                           key="writer_text", height=40 + 28 * lines, max_chars=schedule_writer.MAX_CHARS)
+                           key="writer_text", max_chars=schedule_writer.MAX_CHARS,
+                           height=box_height(st.session_state.get("writer_text", ""), config.stages))
     st.session_state["writer_saved"] = text
     verdict = schedule_writer.examine(text, micro, mode)
     (st.success if verdict.legal else st.error)(verdict.line)
@@ -472,6 +472,16 @@ def show_writer(record: RunRecord, config: RunConfig) -> None:
         st.error(f"It cannot run on this model: {error}")
         return
     show_runs(runs, "writer_measured")
+
+
+WRAP_CHARS, ROW_PIXELS, MOST_PIXELS = 90, 25, 560   # a box row holds 90 characters or more on a laptop's screen
+
+
+def box_height(text: str, stages: int) -> int:
+    """Pixels for section 9's box: every line of the text, as wrapped (a placement line included),
+    and a row more for the character counter under the last one; at most MOST_PIXELS (then it scrolls)."""
+    rows = sum(-(-max(len(line), 1) // WRAP_CHARS) for line in text.splitlines()) if text else stages
+    return min(40 + ROW_PIXELS * (max(rows, stages) + 1), MOST_PIXELS)
 
 
 def show_runs(runs: list, key: str) -> None:

@@ -357,6 +357,7 @@ def test_every_section_button_and_a_written_schedule_leave_a_clean_terminal(serv
     page.get_by_role("option", name="zb-v").click()
     text_shown(page, "✓ legal: makespan")
     assert box.input_value().startswith("placement: V\nstage 0: F0@0")
+    assert box.evaluate("b => b.scrollHeight <= b.clientHeight"), "the box shows every wrapped line of the text"
     page.get_by_role("button", name="run it").click()
     page.wait_for_function(WRITER_RAN, timeout=120_000, polling=500)
     wait_until_idle(page)
