@@ -5,6 +5,7 @@
     python -m lab.bench --quick    # small sizes, for a smoke run
     python -m lab.bench --small    # only the small model's rows
     python -m lab.bench --overhead # only the engine's own time on a near-empty model (lab/overhead.py)
+    python -m lab.bench --search   # only a found schedule beside GPipe, 1F1B, ZB-H1, ZB-V (lab/schedule_search.py)
 
 Every configuration is timed once per round, round after round, so that a noisy host slows all
 of them alike. Rates are medians over the rounds; a ratio is the median of the per-round ratios.
@@ -30,7 +31,7 @@ from engine import GPipe
 from engine.device import cpu_cores
 from engine.distributed import wire
 
-from . import overhead
+from . import overhead, schedule_search
 from .breakdown import in_order
 from .host import keep_freed_cpu_memory
 from .models import build_mlp
@@ -470,6 +471,9 @@ def main(argv=None) -> None:
     parser.add_argument("--small", action="store_true", help="only the small model's rows (a minute or two)")
     parser.add_argument("--overhead", action="store_true",
                         help="only the engine's own time per call, task and message, beside torch's (about 20 s)")
+    parser.add_argument("--search", action="store_true",
+                        help="only a schedule found for a Transformer with unequal stages, beside the built-in "
+                             "ones, predicted and measured (about 30 s)")
     parser.add_argument("--rounds", type=int, default=7, help="timed rounds per configuration (medians are shown)")
     parser.add_argument("--checkpoint", default="except_last", choices=["always", "except_last", "never"])
     parser.add_argument("--default-malloc", action="store_true",
@@ -480,6 +484,10 @@ def main(argv=None) -> None:
     width, layers, batch = (64, 4, 128) if args.quick else (1024, 8, 2048)
     small = dict(width=32, layers=4, batch=16, chunks=4, repeats=100) if args.quick else SMALL
     rounds = 1 if args.quick else args.rounds
+    if args.search:  # threads of this process: none of the pools below
+        print(f"# a found schedule beside the built-in ones: {rounds} round(s), one step of each in turn")
+        print(format_table(schedule_search.race(rounds=rounds)))
+        return
     print(f"# engine benchmark, the near-empty model only: {rounds} round(s)" if args.overhead else
           f"# engine benchmark, the small model only: {rounds} round(s) (x3 for its short steps)" if args.small else
           f"# engine benchmark: {layers} x (Linear({width},{width}) + ReLU), batch {batch}, "

@@ -163,11 +163,14 @@ def search(stages: int, micro_batches: int, costs: Costs, chunks: Optional[list[
     for split in (True, False):  # the orders with W's split off, then those with whole backwards
         exact = _Exact(stages, micro_batches, costs, sizes, caps, (best[0], schedule), exact_limit, split)
         if exact.best is not schedule:
-            schedule, how = exact.best, "the exact search"
+            schedule, how = exact.best, "a depth-first search from the heuristic's best"
         nodes, finished = nodes + exact.nodes, finished and exact.nodes <= exact_limit
         best = (exact.bound, schedule)
-    how += (f"; every order searched ({nodes} steps): none is faster" if finished else
-            f"; the heuristic's best: the exact search stopped at {exact_limit} steps")
+    same = next((SCHEDULES[name].label for name in ("gpipe", "1f1b", "zb-h1")
+                 if Schedule(SCHEDULES[name](stages, micro_batches, "never")) == schedule), None)
+    how += (f" (the very order of {same})" if same else "") + (
+        f"; every order searched ({nodes} steps): none is faster" if finished else
+        f"; the best found: the exact search stopped at {exact_limit} steps, before it covered every order")
     peaks = tuple(stage_peaks(schedule, chunks, batch_bytes)) if chunks is not None else ()
     return Found(schedule, makespan(schedule, costs), peaks, finished, how)
 
@@ -255,23 +258,29 @@ class _Exact:
         self.free, self.held = [0.0] * stages, [0] * stages
         self.counts = [[0, 0, 0] for _ in range(stages)]  # F, B, W laid per stage
         self.was_free: list[float] = []                     # each laid task's stage's free time before it
-        self.downstream = [sum(costs.forward[j] + costs.duration(j, Task("B", 0), split) + 2 * costs.latency
-                               for j in range(k + 1, stages)) for k in range(stages)]
         self.left = [micro * sum(costs.duration(k, Task(op, 0), split) for op in "FBW"[:2 + split]) for k in range(stages)]
         self._dive(frozenset(), {})
 
     def _lower_bound(self) -> float:
-        """No order from here ends sooner: each stage has its remaining work to do, and a stage with
-        forwards left must still send its last one down and wait for its gradient to come back up
-        (the later stages' F and B of it, two messages per stage) before its last B (and W)."""
-        bound = 0.0
-        for k in range(self.K):
-            bound = max(bound, self.free[k] + self.left[k])
-            f = self.counts[k][0]
-            if f < self.M:
-                duration = lambda op, j=k: self.costs.duration(j, Task(op, 0), self.split)
-                bound = max(bound, self.free[k] + (self.M - f) * duration("F") + self.downstream[k] + duration("B")
-                            + (duration("W") if self.split else 0.0))
+        """No order from here ends sooner: each stage has its remaining work to do; and the last
+        micro-batch's chain, its F down the stages and its B back up (a message between stages),
+        each link no sooner than its stage's remaining F's (and B's) before it, then the first
+        stage's last W."""
+        last, lat, bound = self.M - 1, self.costs.latency, 0.0
+        time = lambda k, op: self.costs.duration(k, Task(op, 0), self.split)
+        chain = 0.0
+        for k in range(self.K):  # the last F's end on each stage, down the pipe
+            f, b, _ = self.counts[k]
+            done = self.ends.get(Task("F", last, k))
+            chain = done if done is not None else max(self.free[k] + (self.M - f) * time(k, "F"),
+                                                      chain + (lat if k else 0.0) + time(k, "F"))
+        for k in reversed(range(self.K)):  # the last B's end on each stage, back up
+            f, b, w = self.counts[k]
+            done = self.ends.get(Task("B", last, k))
+            chain = done if done is not None else max(
+                self.free[k] + (self.M - f) * time(k, "F") + (self.M - b) * time(k, "B"),
+                chain + (lat if k < self.K - 1 else 0.0) + time(k, "B"))
+            bound = max(bound, self.free[k] + self.left[k], chain + (time(k, "W") if self.split and w < self.M else 0.0))
         return bound
 
     def _arrival(self, task: Task, k: int) -> Optional[float]:
@@ -392,3 +401,33 @@ def find(config: RunConfig, cap: Optional[int] = None, exact_limit: int = 50_000
         peaks = tuple(stage_peaks(schedule, *own))
         rows.append(Predicted(name, kind.label, makespan(schedule, costs), peaks, cap is None or max(peaks) <= cap))
     return found, rows
+
+
+UNEQUAL = RunConfig(model="transformer", blocks=2, width=64, batch=32, stages=2, micro_batches=8, checkpoint="never",
+                    transport="threads")   # the embedding with a block, then a block with the head that scores every character
+
+
+def race(config: RunConfig = UNEQUAL, rounds: int = 7, cap: Optional[int] = None) -> list[tuple[str, str, str]]:
+    """The found schedule beside GPipe, 1F1B, ZB-H1 and ZB-V: predicted on this host's measured
+    costs, then measured in the same rounds (one step of each in turn), as rows of lab.bench's table:
+    (what, measured median and range beside the prediction, the ratio to 1F1B round by round)."""
+    from statistics import median
+
+    from .schedule_writer import run_beside_gpipe
+    found, predicted = find(config, cap)
+    runs = run_beside_gpipe(config.but(checkpoint="never"), found.schedule, rounds,
+                            also=tuple(p.name for p in predicted[1:]), called="searched")
+    steps = {r.label: r.steps for r in runs}
+    one_f_one_b = steps[SCHEDULES["1f1b"].label]
+    setting = (f"{config.model} ({config.blocks} blocks, width {config.width}), K={config.stages}, "
+               f"M={config.micro_batches}" + (f", cap {cap} B" if cap else ""))
+    rows = [(f"search on {setting}: how", found.how, "a schedule found, not written")]
+    for p, run in zip(predicted, runs):
+        ratio = median(a / b for a, b in zip(run.steps, one_f_one_b))
+        rows.append((f"search on {setting}: {run.label}",
+                     f"predicted {p.makespan * 1e3:.2f} ms; measured {median(run.steps) * 1e3:.2f} ms "
+                     f"({min(run.steps) * 1e3:.2f} to {max(run.steps) * 1e3:.2f}); gradients within "
+                     f"{run.difference:.0e} of {run.reference}",
+                     f"{ratio:.2f}x 1F1B's step (median of the rounds' ratios)" +
+                     ("; target: at most 1.0x, and below ZB-H1's" if run.label == "searched" else "")))
+    return rows

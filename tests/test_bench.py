@@ -1,5 +1,6 @@
 """The benchmark runs end to end and prints its table (timings themselves are not tested); its
 accounting of a step in processes is checked on a trace made by hand."""
+import re
 import pytest
 
 from engine.device import cpu_cores
@@ -108,3 +109,15 @@ def test_the_engines_own_time_is_the_intercept_and_slope_less_the_layers_work():
          ">= 1.0x: torch's step time over ours"),
         ("near-empty K=2, M=64: our step vs torch.distributed.pipelining's", f"processes {(1 + 4 * 64) / (2 + 3 * 64):.2f}x",
          ">= 1.0x: torch's step time over ours")]
+
+
+def test_search_prints_the_found_schedule_beside_the_built_in_ones(capsys):
+    """`--search`: how the schedule was found, then one row per schedule with its prediction, its
+    measured median and range, its gradients, and its ratio to 1F1B's step round by round."""
+    bench.main(["--search", "--rounds", "1"])
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| search on ")]
+    assert [row.split("|")[1].rsplit(": ", 1)[1].strip() for row in rows] == [
+        "how", "searched", "GPipe", "1F1B", "zero bubble (ZB-H1)", "zero bubble V (ZB-V)"]
+    assert all(re.search(r"predicted [\d.]+ ms; measured [\d.]+ ms \([\d.]+ to [\d.]+\); gradients within", row)
+               for row in rows[1:]), rows
+    assert "x 1F1B's step" in rows[1] and "every order searched" in rows[0]
