@@ -1,6 +1,7 @@
 """The benchmark runs end to end and prints its table (timings themselves are not tested); its
 accounting of a step in processes is checked on a trace made by hand."""
 import re
+
 import pytest
 
 from engine.device import cpu_cores
