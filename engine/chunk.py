@@ -63,8 +63,8 @@ class Chunk:
         self._has_batch_norm = [bool(batch_norm_layers(layer)) for layer in partition]
         self._capture: Optional[tuple[int, list]] = None  # (thread, list of (module, output)) while noting
         me = weakref.ref(self)
-        handles = [m.register_forward_hook(partial(_note_output, me)) for m in partition.modules()
-                   if any(p is not None for p in m._parameters.values())]
+        self._owners = [m for m in partition.modules() if any(p is not None for p in m._parameters.values())]
+        handles = [m.register_forward_hook(partial(_note_output, me)) for m in self._owners]
         remove_when_gone(self, handles)
         self.ledger = ActivationLedger()
         self.randomness = StageRandomness(list(zip(self.layer_ids, partition)))
@@ -72,7 +72,9 @@ class Chunk:
         self.call: Optional[Call] = None
 
     def parameters(self) -> list[nn.Parameter]:
-        return list(self.partition.parameters())
+        """Read afresh from the modules that own them (found once: a walk of the module tree per
+        call cost more than a near-empty model's step)."""
+        return list(dict.fromkeys(p for m in self._owners for p in m._parameters.values() if p is not None))
 
     def event(self, task: Task, start, end, timed: bool = False) -> Event:
         """The trace event of a task that ran between two marks (`timed`: marks still to be read

@@ -83,6 +83,7 @@ class GPipe(nn.Module):
                              f"say, but schedule={schedule!r} is built by rule: use 'always', 'except_last' or 'never'")
         if written and len(self.schedule) != stages:
             raise ValueError(f"the schedule has {len(self.schedule)} stages but balance makes {stages}")
+        self._plans: dict = {}  # (M, training) -> task lists
         self.placement = self.task_lists(chunks).placement  # checks a written schedule: its problem, named
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
             raise TypeError(f"seed={seed!r}: expected an int or None")
@@ -169,16 +170,21 @@ class GPipe(nn.Module):
 
     def task_lists(self, micro_batches: int, training: bool = True) -> schedules.Schedule:
         """Each stage's task list, and the placement of chunks, for a call of `micro_batches` micro-batches."""
+        if (micro_batches, training) in self._plans:  # a pure function of them: built once
+            return self._plans[(micro_batches, training)]
         if not training:
-            return schedules.forward_only(self.placement, micro_batches)
-        if isinstance(self.schedule, str):
-            return schedules.Schedule(schedules.SCHEDULES[self.schedule](self.stages, micro_batches, self.checkpoint,
+            plan = schedules.forward_only(self.placement, micro_batches)
+        elif isinstance(self.schedule, str):
+            plan = schedules.Schedule(schedules.SCHEDULES[self.schedule](self.stages, micro_batches, self.checkpoint,
                                                                        self.virtual_stages))  # keeps ZB-V's V
-        if micro_batches != self.micro_batches:
-            raise ValueError(f"the schedule was written for M={self.micro_batches} micro-batches, but this "
-                             f"mini-batch makes {micro_batches}: pass at least {self.micro_batches} samples")
-        schedules.check(self.schedule, micro_batches, self.checkpoint)
-        return self.schedule
+        else:
+            if micro_batches != self.micro_batches:
+                raise ValueError(f"the schedule was written for M={self.micro_batches} micro-batches, but this "
+                                 f"mini-batch makes {micro_batches}: pass at least {self.micro_batches} samples")
+            schedules.check(self.schedule, micro_batches, self.checkpoint)
+            plan = self.schedule
+        self._plans[(micro_batches, training)] = plan
+        return plan
 
     # --- one call: decided by the first stage, planned here, run by the runner -------------------
 
