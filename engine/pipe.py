@@ -75,12 +75,9 @@ class GPipe(nn.Module):
         self.stages = stages = len(self.balance) // virtual_stages
         if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
             raise ValueError(f"chunks={chunks!r}: expected an int >= 1 (micro-batches per mini-batch)")
-        schedules.check_layout(schedule, stages, chunks, virtual_stages)
+        schedules.check_layout(schedule, stages, chunks, virtual_stages, checkpoint=checkpoint)
         self.micro_batches = chunks  # M: `chunks=` is torchgpipe's keyword for it; a chunk here is a piece of layers
-        self.checkpoint = schedules.check_checkpoint_mode(checkpoint, stages)
-        if not written and "as_written" in (self.checkpoint if isinstance(self.checkpoint, tuple) else (checkpoint,)):
-            raise ValueError(f"checkpoint={checkpoint!r}: 'as_written' recomputes what a written schedule's R tasks "
-                             f"say, but schedule={schedule!r} is built by rule: use 'always', 'except_last' or 'never'")
+        self.checkpoint = schedules.check_checkpoint_mode(checkpoint, stages)  # a per-stage list becomes a tuple
         if written and len(self.schedule) != stages:
             raise ValueError(f"the schedule has {len(self.schedule)} stages but balance makes {stages}")
         self._plans: dict = {}  # (M, training) -> task lists

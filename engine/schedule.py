@@ -132,9 +132,12 @@ def check_layout(name: str, stages: int, micro_batches: Optional[int], virtual: 
     """The one check of how chunks are laid out, for the pipe, the schedules and the lab: the chunks
     per stage (v) and the M that schedule `name` accepts (its entry in SCHEDULES; a written schedule
     any v), K*v chunks need at least as many layers, and `checkpoint`, where given, is a mode or
-    one per stage."""
+    one per stage ("as_written" only for a written schedule: a built-in one has no R's of its own)."""
     if checkpoint is not None:
-        check_checkpoint_mode(checkpoint, stages if isinstance(checkpoint, (list, tuple)) else None)
+        modes = check_checkpoint_mode(checkpoint, stages)
+        if name != "written" and "as_written" in (modes if isinstance(modes, tuple) else (modes,)):
+            raise ValueError(f"checkpoint={checkpoint!r}: 'as_written' recomputes what a written schedule's R tasks "
+                             f"say, but schedule={name!r} is built by rule: use 'always', 'except_last' or 'never'")
     if isinstance(virtual, bool) or not isinstance(virtual, int) or virtual < 1:
         raise ValueError(f"virtual_stages={virtual!r}: expected an int >= 1 (chunks of layers per stage)")
     if micro_batches is not None and (stages < 1 or micro_batches < 1):
@@ -409,7 +412,7 @@ def check(schedule: list[list[Task]], micro_batches: int, checkpoint: str = "exc
     own: `duration(stage, task)` and `latency` per message between stages."""
     schedule = schedule if isinstance(schedule, Schedule) else Schedule(schedule)
     place, stages = schedule.placement, len(schedule)
-    mode = check_checkpoint_mode(checkpoint, stages if isinstance(checkpoint, (list, tuple)) else None)
+    mode = check_checkpoint_mode(checkpoint, stages)
     if stages < 1 or micro_batches < 1:
         raise ValueError(f"need at least one stage and one micro-batch, got {stages} and M={micro_batches}")
     for k in sorted(set(range(stages)) ^ set(place)):
@@ -427,21 +430,21 @@ def check(schedule: list[list[Task]], micro_batches: int, checkpoint: str = "exc
                 raise ValueError(f"{name}, but the placement {place} does not put chunk {task.chunk} on stage {k}")
             if task in where:
                 raise ValueError(f"{name} twice")
-            written = stage_mode(mode, k) == "as_written"
-            if task.op == "R" and not written and not checkpointed(task.micro, micro_batches, mode, k):
-                raise ValueError(f"{name}, a recompute of micro-batch {task.micro}, which kept its activations "
-                                 f"under checkpoint={stage_mode(mode, k)!r}" + (f" on stage {k}" if mode != stage_mode(
-                                     mode, k) else "") + " (checkpoint='as_written' recomputes what the R's say)")
+            own = stage_mode(mode, k)
+            if task.op == "R" and own != "as_written" and not checkpointed(task.micro, micro_batches, own):
+                raise ValueError(f"{name}, a recompute of micro-batch {task.micro}, which kept its activations under "
+                                 f"checkpoint={own!r}{f' on stage {k}' if isinstance(mode, tuple) else ''} "
+                                 f"(checkpoint='as_written' recomputes what the R's say)")
             where[task] = i
     for c, k in enumerate(place):
-        written = stage_mode(mode, k) == "as_written"
+        own = stage_mode(mode, k)
         for m in range(micro_batches):
-            steps = [Task(op, m, c) for op in "FRBW" if (op != "R" or (Task("R", m, c) in where if written else
-                     checkpointed(m, micro_batches, mode, k))) and (op != "W" or split)]
+            steps = [Task(op, m, c) for op in "FRBW" if (op != "R" or (Task("R", m, c) in where if own == "as_written"
+                     else checkpointed(m, micro_batches, own))) and (op != "W" or split)]
             for task in steps:
                 if task not in where:
-                    why = {"R": f": checkpoint={stage_mode(mode, k)!r} keeps only its input, so its backward needs the "
-                                f"recompute first", "W": ": once W is split off, every B leaves its weight gradient to a W"}
+                    why = {"R": f": checkpoint={own!r} keeps only its input, so its backward needs the recompute "
+                                f"first", "W": ": once W is split off, every B leaves its weight gradient to a W"}
                     top = max((t.micro for t in where), default=-1)  # a schedule written for fewer micro-batches
                     why = {o: f": written for M={top + 1}, not {micro_batches}" for o in "FB"} if top < m else why
                     raise ValueError(f"stage {k} never runs {schedule.label(task)}{why.get(task.op, '')}")
