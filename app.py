@@ -517,9 +517,9 @@ def show_search(config: RunConfig) -> None:
     st.dataframe([{"schedule": r.label, "predicted makespan (ms)": round(r.makespan * 1e3, 2),
                    "predicted activation peak per stage (KiB)": ", ".join(f"{p / 1024:.0f}" for p in r.peaks),
                    "within the cap": "yes" if r.fits else "no"} for r in rows], hide_index=True)
-    st.code(schedule_writer.format(found.schedule), language=None)
-    st.button("put it in the box above", key="search_to_box", on_click=put_in_box,
-              args=(schedule_writer.format(found.schedule),))
+    text = schedule_writer.format(found.schedule)
+    st.code(text, language=None)
+    st.button("put it in the box above", key="search_to_box", on_click=put_in_box, args=(text,))
     if st.button("run them side by side", key="search_run"):
         runs = schedule_writer.run_beside_gpipe(config.but(checkpoint="never"), found.schedule, rounds=3,
                                                 also=tuple(r.name for r in rows[1:]), called="searched")

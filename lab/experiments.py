@@ -367,6 +367,12 @@ def schedule_peaks(config: RunConfig, model: nn.Sequential, inputs, balance: lis
     return peaks(tasks, *chunk_bytes(config, model, inputs, balance))
 
 
+def config_chunk_bytes(config: RunConfig) -> tuple[list, int]:
+    """`chunk_bytes` on the configuration's model, built here and cut as the configuration says."""
+    model, (inputs, _), _ = build(config)
+    return chunk_bytes(config, model, inputs, choose_balance(config, model, inputs))
+
+
 def chunk_bytes(config: RunConfig, model: nn.Sequential, inputs, balance: list[int]) -> tuple[list, int]:
     """What a schedule's activation memory is predicted from: the storages each chunk of `balance`
     saves on one micro-batch (lab.schedule_memory.measure_chunks, on copies of the layers as built),

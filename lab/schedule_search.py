@@ -25,10 +25,10 @@ import heapq
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
-from engine.schedule import SCHEDULES, Schedule, Task, timeline
+from engine.schedule import SCHEDULES, Schedule, Task, timeline, upstream
 
 from .config import RunConfig, micro_batch_count
-from .schedule_memory import ChunkBytes, footprints
+from .schedule_memory import ChunkBytes, peaks
 
 
 @dataclass(frozen=True)
@@ -104,11 +104,6 @@ def makespan(schedule: Schedule, costs: Costs) -> float:
     return max(end for stage in times for _, end in stage)
 
 
-def stage_peaks(schedule: Schedule, chunks: list[ChunkBytes], batch_bytes: int) -> list[int]:
-    """Each stage's predicted activation peak in bytes (lab.schedule_memory)."""
-    return [max((held for _, held in line), default=0) for line in footprints(schedule, chunks, batch_bytes)]
-
-
 @dataclass(frozen=True)
 class Found:
     """The search's answer: the schedule, its predicted time and peaks, whether the search covered
@@ -171,12 +166,12 @@ def search(stages: int, micro_batches: int, costs: Costs, chunks: Optional[list[
     how += (f" (the very order of {same})" if same else "") + (
         f"; every order searched ({nodes} steps): none is faster" if finished else
         f"; the best found: the exact search stopped at {exact_limit} steps, before it covered every order")
-    peaks = tuple(stage_peaks(schedule, chunks, batch_bytes)) if chunks is not None else ()
-    return Found(schedule, makespan(schedule, costs), peaks, finished, how)
+    held = tuple(peaks(schedule, chunks, batch_bytes)) if chunks is not None else ()
+    return Found(schedule, makespan(schedule, costs), held, finished, how)
 
 
 def _fits(schedule: Schedule, chunks, batch_bytes: int, caps) -> bool:
-    return caps is None or all(p <= c for p, c in zip(stage_peaks(schedule, chunks, batch_bytes), caps))
+    return caps is None or all(p <= c for p, c in zip(peaks(schedule, chunks, batch_bytes), caps))
 
 
 def _heuristic(stages: int, micro: int, costs: Costs, sizes, caps, chunks, batch_bytes) -> tuple[float, Schedule, str]:
@@ -204,10 +199,9 @@ def _greedy(stages: int, micro: int, costs: Costs, sizes, caps, limit: int, when
     free, held, events = [0.0] * stages, [0] * stages, [0.0]
     f, b, w = [0] * stages, [0] * stages, [0] * stages
 
-    def arrived(task: Task, k: int, clock: float) -> bool:
-        """Whether the task's input is on stage k by `clock`."""
-        needed, other = _needs(task, k, stages)
-        return needed is None or (needed in ends and ends[needed] + (costs.latency if other != k else 0.0) <= clock)
+    def arrived(task: Task, clock: float) -> bool:
+        at = _arrival(task, stages, ends, costs.latency)
+        return at is not None and at <= clock
 
     def fits(k: int) -> bool:
         return caps is None or sizes.base[k] + held[k] + sizes.held[k] <= caps[k]
@@ -215,9 +209,9 @@ def _greedy(stages: int, micro: int, costs: Costs, sizes, caps, limit: int, when
     while events:
         clock = heapq.heappop(events)
         for k in (k for k in range(stages) if free[k] <= clock and len(plans[k]) < per_stage):
-            ready = [t for t in [Task("B", b[k], k)] * (b[k] < f[k]) if arrived(t, k, clock)] or \
+            ready = [t for t in [Task("B", b[k], k)] * (b[k] < f[k]) if arrived(t, clock)] or \
                 [t for t in [Task("F", f[k], k)] * (f[k] < micro and f[k] - (w if split else b)[k] < limit and fits(k))
-                 if arrived(t, k, clock)]
+                 if arrived(t, clock)]
             if split and w[k] < b[k] and (when == "eager" or not ready):
                 ready = [Task("W", w[k], k)]   # right after its B, or where the stage would idle or wait for memory
             if not ready:
@@ -234,14 +228,14 @@ def _greedy(stages: int, micro: int, costs: Costs, sizes, caps, limit: int, when
     return Schedule(plans) if all(len(p) == per_stage for p in plans) else None
 
 
-def _needs(task: Task, k: int, stages: int) -> tuple[Optional[Task], int]:
-    """The task another (or the same) stage must finish first, and that stage: F the previous
-    stage's F, B the next stage's B (the last stage: its own F), W its own B."""
-    if task.op == "F":
-        return (Task("F", task.micro, k - 1), k - 1) if k > 0 else (None, k)
-    if task.op == "B":
-        return (Task("B", task.micro, k + 1), k + 1) if k < stages - 1 else (Task("F", task.micro, k), k)
-    return Task("B", task.micro, k), k
+def _arrival(task: Task, stages: int, ends: dict, latency: float) -> Optional[float]:
+    """When a task's input from the neighbouring stage is there (engine.schedule.upstream; one chunk
+    per stage: chunk k is stage k), 0 if it needs none (what its own stage made comes earlier in its
+    list); None while the task it needs is not laid yet."""
+    needed = upstream(task, stages)
+    if needed is None:
+        return 0.0
+    return ends[needed] + latency if needed in ends else None
 
 
 class _Exact:
@@ -258,7 +252,8 @@ class _Exact:
         self.free, self.held = [0.0] * stages, [0] * stages
         self.counts = [[0, 0, 0] for _ in range(stages)]  # F, B, W laid per stage
         self.was_free: list[float] = []                     # each laid task's stage's free time before it
-        self.left = [micro * sum(costs.duration(k, Task(op, 0), split) for op in "FBW"[:2 + split]) for k in range(stages)]
+        self.left = [micro * sum(costs.duration(k, Task(op, 0), split) for op in "FBW"[:2 + split])
+                     for k in range(stages)]
         self._dive(frozenset(), {})
 
     def _lower_bound(self) -> float:
@@ -280,24 +275,19 @@ class _Exact:
             chain = done if done is not None else max(
                 self.free[k] + (self.M - f) * time(k, "F") + (self.M - b) * time(k, "B"),
                 chain + (lat if k < self.K - 1 else 0.0) + time(k, "B"))
-            bound = max(bound, self.free[k] + self.left[k], chain + (time(k, "W") if self.split and w < self.M else 0.0))
+            last_w = time(k, "W") if self.split and w < self.M else 0.0
+            bound = max(bound, self.free[k] + self.left[k], chain + last_w)
         return bound
-
-    def _arrival(self, task: Task, k: int) -> Optional[float]:
-        """When the task's input is on stage k; None if the task it needs is not laid yet."""
-        needed, other = _needs(task, k, self.K)
-        if needed is None:
-            return 0.0
-        return None if needed not in self.ends else self.ends[needed] + (self.costs.latency if other != k else 0.0)
 
     def _options(self, k: int) -> list[Task]:
         f, b, w = self.counts[k]
-        tasks = [Task("B", b, k)] * (b < f) + [Task("F", f, k)] * (f < self.M) + [Task("W", w, k)] * (self.split and w < b)
+        tasks = [Task("B", b, k)] * (b < f) + [Task("F", f, k)] * (f < self.M) + \
+            [Task("W", w, k)] * (self.split and w < b)
         if self.caps is not None and f < self.M:
             sizes = self.sizes
             if sizes.base[k] + self.held[k] + sizes.held[k] > self.caps[k]:
                 tasks.remove(Task("F", f, k))
-        return [t for t in tasks if self._arrival(t, k) is not None]
+        return [t for t in tasks if _arrival(t, self.K, self.ends, self.costs.latency) is not None]
 
     def _dive(self, waiting: frozenset, forbidden: dict) -> None:
         self.nodes += 1
@@ -326,7 +316,7 @@ class _Exact:
             self._dive(waiting | {k}, {**forbidden, k: forbidden.get(k, frozenset()) | frozenset(options)})
 
     def _lay(self, k: int, task: Task) -> None:
-        start = max(self.free[k], self._arrival(task, k))
+        start = max(self.free[k], _arrival(task, self.K, self.ends, self.costs.latency))
         duration = self.costs.duration(k, task, self.split)
         self.plans[k].append(task)
         self.ends[task] = start + duration
@@ -364,13 +354,6 @@ def costs_for(config: RunConfig) -> Costs:
     return measured_costs(split.solo_events, message_seconds(split.messages), whole.solo_events)
 
 
-def bytes_for(config: RunConfig) -> tuple[list[ChunkBytes], int]:
-    """Each chunk's bytes for one micro-batch and the mini-batch's, measured on the configuration's model."""
-    from .experiments import build, choose_balance, chunk_bytes
-    model, (inputs, _), _ = build(config)
-    return chunk_bytes(config, model, inputs, choose_balance(config, model, inputs))
-
-
 @dataclass(frozen=True)
 class Predicted:
     """A schedule's predictions on the measured costs and bytes: time, peak per stage, under the cap
@@ -387,24 +370,28 @@ def find(config: RunConfig, cap: Optional[int] = None, exact_limit: int = 50_000
     """Search a schedule for the configuration (its K and M, its model's costs and bytes measured
     here, `cap` bytes per stage), and predict GPipe, 1F1B, ZB-H1 and ZB-V without recompute on the
     same costs and their own bytes (those the model can run: ZB-V needs 2K layers), the found one first."""
+    from .experiments import config_chunk_bytes
     plain = config.but(checkpoint="never", virtual_stages=1)
-    costs, (chunks, batch_bytes) = costs_for(plain), bytes_for(plain)
-    micro = micro_batch_count(config)
-    found = search(config.stages, micro, costs, chunks, batch_bytes, cap, exact_limit)
+    layouts = {1: config_chunk_bytes(plain)}   # chunks per stage -> its chunks' bytes, measured once each
+    costs, micro = costs_for(plain), micro_batch_count(config)
+    found = search(config.stages, micro, costs, *layouts[1], cap, exact_limit)
     rows = [Predicted("searched", "searched", found.makespan, found.peaks, True)]
     for name in COMPARED:
         kind = SCHEDULES[name]
         if config.stages * kind.fewest_chunks > config.layers:
             continue
         schedule = Schedule(kind(config.stages, micro, "never", kind.fewest_chunks))
-        own = bytes_for(plain.but(schedule=name, virtual_stages=kind.fewest_chunks))
-        peaks = tuple(stage_peaks(schedule, *own))
-        rows.append(Predicted(name, kind.label, makespan(schedule, costs), peaks, cap is None or max(peaks) <= cap))
+        if kind.fewest_chunks not in layouts:
+            layouts[kind.fewest_chunks] = config_chunk_bytes(plain.but(schedule=name,
+                                                                      virtual_stages=kind.fewest_chunks))
+        held = tuple(peaks(schedule, *layouts[kind.fewest_chunks]))
+        rows.append(Predicted(name, kind.label, makespan(schedule, costs), held, cap is None or max(held) <= cap))
     return found, rows
 
 
+# two unequal stages: the embedding with a block, then a block with the head that scores every character
 UNEQUAL = RunConfig(model="transformer", blocks=2, width=64, batch=32, stages=2, micro_batches=8, checkpoint="never",
-                    transport="threads")   # the embedding with a block, then a block with the head that scores every character
+                    transport="threads")
 
 
 def race(config: RunConfig = UNEQUAL, rounds: int = 7, cap: Optional[int] = None) -> list[tuple[str, str, str]]:

@@ -302,12 +302,10 @@ def cap_line(config: RunConfig, schedule: Schedule, cap: int) -> str:
     """The written schedule against a cap of `cap` bytes on each stage's activations, predicted from
     where its tasks sit on the configuration's model (lab.schedule_memory): "✓ ..." with each stage's
     predicted peak, or "✗ ..." naming the first stage and task that would pass the cap."""
-    from .experiments import build, choose_balance, chunk_bytes
+    from .experiments import config_chunk_bytes
     from .schedule_memory import check_cap, peaks
 
-    setting = config.but(virtual_stages=len(schedule.placement) // len(schedule))
-    model, (inputs, _), _ = build(setting)
-    chunks, batch_bytes = chunk_bytes(setting, model, inputs, choose_balance(setting, model, inputs))
+    chunks, batch_bytes = config_chunk_bytes(config.but(virtual_stages=len(schedule.placement) // len(schedule)))
     try:
         check_cap(schedule, chunks, batch_bytes, cap)
     except ValueError as error:

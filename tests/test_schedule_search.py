@@ -12,8 +12,8 @@ from engine import GPipe
 from engine.schedule import SCHEDULES, Schedule, Task, check
 from lab import schedule_search
 from lab.exactness import unpipelined_gradients
-from lab.schedule_memory import ChunkBytes
-from lab.schedule_search import Costs, makespan, search, stage_peaks, unit_costs
+from lab.schedule_memory import ChunkBytes, peaks
+from lab.schedule_search import Costs, makespan, search, unit_costs
 from small_models import grads, mlp
 
 CHUNKS = [ChunkBytes(100, (("0", 200), ("1", 300)), frozenset({"0"}))] * 4   # 500 B held per micro-batch, 200 for W
@@ -46,7 +46,7 @@ def fastest_by_trying_all(stages, micro, costs, cap):
                 check(schedule, micro, "never")
             except ValueError:
                 continue  # it deadlocks
-            if cap is None or max(stage_peaks(schedule, CHUNKS[:stages], 50)) <= cap:
+            if cap is None or max(peaks(schedule, CHUNKS[:stages], 50)) <= cap:
                 best = min(best, makespan(schedule, costs))
     return best
 
@@ -80,12 +80,12 @@ def test_the_search_is_exact_where_every_order_can_be_tried(seed):
 def test_under_a_cap_1f1b_meets_no_slower_than_1f1b_and_zb_h1_and_under_a_tighter_one_it_still_fits(stages, micro):
     costs = Costs((1.0, 2.0, 1.5, 1.0)[:stages], (1.0, 2.5, 1.0, 2.0)[:stages], (1.0, 1.0, 2.0, 0.5)[:stages], 0.2)
     named = {name: Schedule(SCHEDULES[name](stages, micro, "never")) for name in ("1f1b", "zb-h1")}
-    cap = max(stage_peaks(named["1f1b"], CHUNKS[:stages], 50))
+    cap = max(peaks(named["1f1b"], CHUNKS[:stages], 50))
     found = search(stages, micro, costs, CHUNKS[:stages], 50, cap, exact_limit=5000)
     assert max(found.peaks) <= cap and found.makespan <= min(makespan(s, costs) for s in named.values()) + 1e-9
     tight = cap - 600   # 1F1B's stage 0 holds K micro-batches of 500 B: about one fewer
     found = search(stages, micro, costs, CHUNKS[:stages], 50, tight, exact_limit=5000)
-    assert max(found.peaks) <= tight < max(stage_peaks(named["1f1b"], CHUNKS[:stages], 50))
+    assert max(found.peaks) <= tight < max(peaks(named["1f1b"], CHUNKS[:stages], 50))
     check(found.schedule, micro, "never")
     with pytest.raises(ValueError, match="stage 0 holds 550 bytes with one micro-batch, over its cap of 500 bytes"):
         search(stages, micro, costs, CHUNKS[:stages], 50, 500)
