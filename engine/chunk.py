@@ -25,7 +25,7 @@ from torch import nn
 from .batchnorm import StageBatchNorm, batch_norm_layers
 from .call import Call
 from .device import StageDevice
-from .memory import ActivationLedger
+from .memory import ActivationLedger, Holding
 from .microbatch import Value, as_leaves, detached, rebuild, tensors_of
 from .partition import Partition
 from .rng import StageRandomness, remove_when_gone
@@ -39,10 +39,10 @@ class ChunkState:
     """What one chunk holds between its tasks during one call; dropped when the call ends."""
 
     kept_inputs: dict = field(default_factory=dict)   # micro -> input kept for recompute
-    graphs: dict = field(default_factory=dict)        # micro -> (input, output or loss, layer outputs)
+    graphs: dict = field(default_factory=dict)        # micro -> (input, output or loss, layer outputs, holding)
     outputs: dict = field(default_factory=dict)       # micro -> output (last chunk, forward-only)
     losses: dict = field(default_factory=dict)        # micro -> detached loss (last chunk)
-    weight_work: dict = field(default_factory=dict)   # micro -> per layer (roots, gradients, parameters)
+    weight_work: dict = field(default_factory=dict)   # micro -> (per layer (roots, gradients, parameters), holding)
 
 
 class Chunk:
@@ -118,7 +118,7 @@ class Chunk:
         x = self.device.to_here(call.inputs[micro]) if self.is_first else received
         if not call.training:
             with torch.no_grad():
-                out = self._layers(x, micro)
+                out, _ = self._layers(x, micro)
             if self.is_last:
                 state.outputs[micro] = out
                 return None
@@ -128,31 +128,30 @@ class Chunk:
         keep_graph = (self.index, micro) not in call.recomputed
         noted = [] if keep_graph and call.split_backward else None
         with torch.set_grad_enabled(keep_graph):
-            out = self._layers(x, micro, noted)
+            out, holding = self._layers(x, micro, noted)
             loss = self._loss(out, micro) if self.is_last else None
         if keep_graph:
-            state.graphs[micro] = (x, loss if self.is_last else out, noted)
+            state.graphs[micro] = (x, loss if self.is_last else out, noted, holding)
         else:
-            held = self.ledger.hold_all(tensors_of(x)) if call.record_memory else []
-            state.kept_inputs[micro] = (x, held)
+            state.kept_inputs[micro] = (x, self.ledger.hold_all(tensors_of(x)) if call.record_memory else None)
         if self.is_last:
             state.losses[micro] = loss.detach()
             return None
         return self._message("F", micro, detached(out))
 
     def _recompute(self, micro: int, received) -> None:
-        x, held = self.state.kept_inputs.pop(micro)
+        x, kept = self.state.kept_inputs.pop(micro)
         recomputing = self.batch_norm.recomputing() if self.batch_norm is not None else nullcontext()
         noted = [] if self.call.split_backward else None
         with torch.enable_grad(), recomputing:
-            out = self._layers(x, micro, noted)
+            out, holding = self._layers(x, micro, noted)
             if self.is_last:
                 out = self._loss(out, micro)
-        self.state.graphs[micro] = (x, out, noted)
-        del held  # the recomputed graph now holds what it needs of the input
+        self.state.graphs[micro] = (x, out, noted, holding)
+        self._release(kept)  # the recomputed graph now holds what it needs of the input
 
     def _backward(self, micro: int, received):
-        x, out, noted = self.state.graphs.pop(micro)
+        x, out, noted, holding = self.state.graphs.pop(micro)
         if self.is_last:  # a loss that depends on no parameter or input (a parameter-free model) has no backward
             roots = [out] if out.requires_grad else []
             grads = [out.new_full((), self.call.weights[micro])][:len(roots)]  # no host-to-GPU copy
@@ -163,19 +162,21 @@ class Chunk:
         del out
         inputs = [] if self.is_first else [t for t in tensors_of(x) if t.requires_grad]
         if noted is not None:
-            input_grads = self._backward_inputs(micro, roots, grads, inputs, noted)
+            input_grads = self._backward_inputs(micro, roots, grads, inputs, noted, holding)
         else:
             if roots:
                 torch.autograd.backward(roots, grads)
             input_grads = {id(t): t.grad for t in inputs}
+            self._release(holding)  # the backward freed the graph
         if self.is_first:
             return None
         return self._message("B", micro, rebuild(x, tuple(input_grads.get(id(t)) for t in tensors_of(x))))
 
-    def _backward_inputs(self, micro: int, roots, grads, inputs, noted) -> dict:
+    def _backward_inputs(self, micro: int, roots, grads, inputs, noted, holding) -> dict:
         """B of a split backward: one pass for the gradients of the chunk's input and of every noted
         module output (the graph kept for W); returns {id(input tensor): its gradient}. The work W
-        will do, per module call, is filed as (its output tensors, their gradients, its parameters)."""
+        will do, per module call, is filed as (its output tensors, their gradients, its parameters),
+        with what the ledger holds of the graph (W frees it)."""
         outputs = {id(t): t for _, out in noted for t in tensors_of(out) if t.requires_grad}
         wanted = inputs + [t for key, t in outputs.items() if key not in {id(i) for i in inputs}]
         gradients = torch.autograd.grad(roots, wanted, grads, retain_graph=True, allow_unused=True) \
@@ -188,21 +189,25 @@ class Chunk:
             if pairs:
                 parameters = [p for p in module.parameters(recurse=False) if p.requires_grad]
                 work.append(([t for t, _ in pairs], [g for _, g in pairs], parameters))
-        self.state.weight_work[micro] = work
+        self.state.weight_work[micro] = (work, holding)
         return {id(t): found[id(t)] for t in inputs}
 
     def _weights(self, micro: int, received) -> None:
         """W of a split backward: each module's weight gradients, from its output's gradient."""
-        for roots, grads, parameters in self.state.weight_work.pop(micro):
+        work, holding = self.state.weight_work.pop(micro)
+        for roots, grads, parameters in work:
             if parameters:
                 torch.autograd.backward(roots, grads, inputs=parameters)
+        del work
+        self._release(holding)
 
     # --- helpers ---------------------------------------------------------------------------
 
-    def _layers(self, x: Value, micro: int, noted: Optional[list] = None) -> Value:
+    def _layers(self, x: Value, micro: int, noted: Optional[list] = None) -> tuple[Value, Optional[Holding]]:
         """Run this chunk's layers on one micro-batch, under its random streams, batch norm control
         (only around the layers that need them: each costs Python calls per op) and ledger; append
-        (module, output) of every parameter-owning module to `noted` if given (for a split backward)."""
+        (module, output) of every parameter-owning module to `noted` if given (for a split backward).
+        Returns the output and what the ledger holds of its graph (None when not counting)."""
         if self.batch_norm is not None:
             self.batch_norm.micro = micro
         counting = self.call.record_memory and torch.is_grad_enabled()
@@ -215,10 +220,16 @@ class Chunk:
 
         self._capture = None if noted is None else (threading.get_ident(), noted)
         try:
-            with self.ledger.saving() if counting else nullcontext(), self.partition.running(each_layer) as partition:
-                return partition(x)  # through nn.Module.__call__, so hooks on the partition run
+            with self.ledger.saving(watch=noted is not None) if counting else nullcontext() as holding, \
+                    self.partition.running(each_layer) as partition:
+                out = partition(x)  # through nn.Module.__call__, so hooks on the partition run
+            return out, holding
         finally:
             self._capture = None
+
+    def _release(self, holding: Optional[Holding]) -> None:
+        if holding is not None:
+            self.ledger.release(holding)
 
     def _loss(self, output: Value, micro: int) -> torch.Tensor:
         target = self.device.to_here(self.call.targets[micro])

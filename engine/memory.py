@@ -1,30 +1,39 @@
 """A byte ledger of the activations a stage keeps for its backward pass.
 
-Autograd hands every tensor it saves for backward to a saved-tensors pack hook; the ledger counts
-the bytes of each distinct storage while anything still holds it, and forgets it when the graph
-that saved it is freed. Parameters are not activations and are left out. Inputs kept for a
-recompute are added explicitly. The peak of the live total is what the trace reports.
+Autograd hands every tensor it saves for backward to a saved-tensors pack hook. Inside `saving()`
+the hook only notes the tensor; when the block ends, the ledger counts the bytes of each distinct
+storage noted (parameters left out) and hands back a `Holding`, which keeps them counted until
+the task that frees the graph releases it (a backward, or the weight-gradient task of a split
+one). A storage two holdings share is counted once, until both are released. Inputs kept for a
+recompute are held the same way. The peak of the live total is what the trace reports.
+
+Counting once per block rather than once per tensor keeps the hook to a list append (it runs
+for every saved tensor, so its cost is paid per layer per micro-batch). Between tasks the live
+total is what a per-tensor count would show: a stage runs one task at a time, and a graph's
+saved tensors live from its forward until its backward is done, or, for a split backward, in
+part until W: there B frees what W does not need, so such a holding is `watched` (weak
+references to its tensors) and, before anything new is counted, storages autograd has freed
+are dropped from it.
 """
 from __future__ import annotations
 
 import threading
+import weakref
 from contextlib import contextmanager
 from typing import Iterable
 
 import torch
 
 
-class _Held:
-    """What autograd stores instead of a saved activation: the tensor plus its ledger entry, which
-    is released when autograd frees this handle."""
+class Holding:
+    """Storages one block of saving (or one kept input) holds in a ledger: (key, bytes) pairs, and,
+    if watched, weak references to the saved tensors on each storage."""
 
-    __slots__ = ("tensor", "_ledger", "_key")
+    __slots__ = ("storages", "watched")
 
-    def __init__(self, tensor: torch.Tensor, ledger: "ActivationLedger", key: tuple):
-        self.tensor, self._ledger, self._key = tensor, ledger, key
-
-    def __del__(self):
-        self._ledger._release(self._key)
+    def __init__(self):
+        self.storages: list[tuple[tuple, int]] = []
+        self.watched: dict[tuple, list] = {}
 
 
 class ActivationLedger:
@@ -33,54 +42,86 @@ class ActivationLedger:
     def __init__(self, parameters: Iterable[torch.Tensor] = ()):
         self._lock = threading.Lock()
         self._excluded = {_storage_key(p) for p in parameters}
-        self._holders: dict[tuple, list[int]] = {}  # storage -> [bytes, holders]
+        self._holders: dict[tuple, list[int]] = {}  # storage -> [bytes, holdings]
+        self._watched: list[Holding] = []
         self.live = 0
         self.peak = 0
 
-    def hold(self, tensor: torch.Tensor):
-        """Count `tensor`'s storage until the returned handle is deleted (parameters and empty
-        tensors are not counted and come back as they are: the pack hook runs for every tensor
-        autograd saves, so it stays lean)."""
-        key = _storage_key(tensor)
-        if key in self._excluded:
-            return tensor
-        size = tensor.untyped_storage().nbytes()
-        if size == 0:
-            return tensor
-        with self._lock:
-            entry = self._holders.get(key)
-            if entry is None:
-                entry = self._holders[key] = [size, 0]
-                self.live += size
-                if self.live > self.peak:
-                    self.peak = self.live
-            entry[1] += 1
-        # detached: a layer's saved output would otherwise hold its own graph node, a cycle that
-        # outlives the graph when no backward frees it (a failed step, or a graph kept for W)
-        return _Held(tensor.detach(), self, key)
+    def hold_all(self, tensors: Iterable[torch.Tensor]) -> Holding:
+        """Count the storages of `tensors` (e.g. a stage input kept for recompute) until released;
+        parameters and empty storages are not counted."""
+        holding = Holding()
+        self._add(holding, tensors)
+        return holding
 
-    def hold_all(self, tensors: Iterable[torch.Tensor]) -> list:
-        """Count several tensors (e.g. a stage input kept for recompute) until the handles go."""
-        return [self.hold(t) for t in tensors]
-
-    def _release(self, key: tuple) -> None:
+    def _add(self, holding: Holding, tensors: Iterable[torch.Tensor], watch: bool = False) -> None:
+        storages = {}
+        for tensor in tensors:
+            key = _storage_key(tensor)
+            if key not in self._excluded:
+                size = tensor.untyped_storage().nbytes()
+                if size:
+                    storages[key] = size
+                    if watch:
+                        holding.watched.setdefault(key, []).append(weakref.ref(tensor))
+        holding.storages = list(storages.items())
         with self._lock:
+            for watched in self._watched:
+                self._drop(watched, [(key, size) for key, size in watched.storages
+                                     if all(ref() is None for ref in watched.watched[key])])
+            if watch:
+                self._watched.append(holding)
+            for key, size in holding.storages:
+                entry = self._holders.get(key)
+                if entry is None:
+                    entry = self._holders[key] = [size, 0]
+                    self.live += size
+                entry[1] += 1
+            self.peak = max(self.peak, self.live)
+
+    def release(self, holding: Holding) -> None:
+        """Stop counting what `holding` held (a storage another holding shares stays counted)."""
+        with self._lock:
+            self._drop(holding, holding.storages)
+            if holding.watched:
+                self._watched.remove(holding)
+
+    def _drop(self, holding: Holding, storages: list) -> None:
+        for key, _ in storages:
             entry = self._holders[key]
             entry[1] -= 1
             if entry[1] == 0:
                 del self._holders[key]
                 self.live -= entry[0]
+        if storages:
+            holding.storages = [pair for pair in holding.storages if pair not in storages]
 
     @contextmanager
-    def saving(self):
-        """Count every tensor autograd saves for backward inside this block."""
-        with torch.autograd.graph.saved_tensors_hooks(self.hold, _unpack):
-            yield
+    def saving(self, watch: bool = False):
+        """Note every tensor autograd saves for backward inside this block; at its end they are
+        held (the Holding this yields is filled then) until released. `watch`: storages autograd
+        frees before the release stop counting then (a graph that a split backward frees in parts)."""
+        noted: list[torch.Tensor] = []
+
+        def pack(tensor: torch.Tensor) -> torch.Tensor:
+            # detached: a layer's saved output would otherwise hold its own graph node, a cycle
+            # that outlives the graph when no backward frees it (a failed step, a graph kept for W)
+            tensor = tensor.detach()
+            noted.append(tensor)
+            return tensor
+
+        holding = Holding()
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(pack, _unpack):
+                yield holding
+            self._add(holding, noted, watch)
+        finally:
+            noted.clear()  # autograd keeps `pack`, and so this list, as long as it keeps what was saved
 
 
 def _storage_key(tensor: torch.Tensor) -> tuple:
     return tensor.device, tensor.untyped_storage().data_ptr()
 
 
-def _unpack(packed) -> torch.Tensor:
-    return packed.tensor if type(packed) is _Held else packed
+def _unpack(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor
