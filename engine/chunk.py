@@ -62,10 +62,8 @@ class Chunk:
         self.batch_norm = StageBatchNorm(bn_layers, deferred_batch_norm) if bn_layers else None
         self._has_batch_norm = [bool(batch_norm_layers(layer)) for layer in partition]
         self._capture: Optional[tuple[int, list]] = None  # (thread, list of (module, output)) while noting
-        me = weakref.ref(self)
         self._owners = [m for m in partition.modules() if any(p is not None for p in m._parameters.values())]
-        handles = [m.register_forward_hook(partial(_note_output, me)) for m in self._owners]
-        remove_when_gone(self, handles)
+        self._noting = False  # whether the owners' forward hooks that note outputs are registered
         self.ledger = ActivationLedger()
         self.randomness = StageRandomness(list(zip(self.layer_ids, partition)))
         self.state = ChunkState()
@@ -89,13 +87,22 @@ class Chunk:
         chunk of this chunk's stage (their sum is what the stage's device holds)."""
         self.state = ChunkState()
         self.ledger = ledger
+        if call.training and call.split_backward and not self._noting:  # from the first call that splits
+            me = weakref.ref(self)  # its backward: a hook costs every other call of the module microseconds
+            remove_when_gone(self, [m.register_forward_hook(partial(_note_output, me)) for m in self._owners])
+            self._noting = True
         if self.batch_norm is not None:
             self.batch_norm.start_step()
         self.randomness.start(call.decision.seed)
         self.call = call
 
     def finish(self) -> None:
-        """Drop everything the call kept: graphs, kept inputs, outputs and the call itself."""
+        """Drop everything the call kept: graphs, kept inputs, outputs and the call itself (what a
+        failed call left held in the ledger is released with them)."""
+        state = self.state
+        for holding in [graph[3] for graph in state.graphs.values()] + [kept for _, kept in state.kept_inputs.values()] \
+                + [held for _, held in state.weight_work.values()]:
+            self._release(holding)
         self.state = ChunkState()
         self.call = None
 

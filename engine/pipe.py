@@ -80,7 +80,7 @@ class GPipe(nn.Module):
         self.checkpoint = schedules.check_checkpoint_mode(checkpoint, stages)  # a per-stage list becomes a tuple
         if written and len(self.schedule) != stages:
             raise ValueError(f"the schedule has {len(self.schedule)} stages but balance makes {stages}")
-        self._plans: dict = {}  # (M, training) -> task lists
+        self._plans: dict = {}  # (M, training) -> (task lists, the (chunk, micro-batch) pairs they recompute)
         self.placement = self.task_lists(chunks).placement  # checks a written schedule: its problem, named
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
             raise TypeError(f"seed={seed!r}: expected an int or None")
@@ -120,7 +120,7 @@ class GPipe(nn.Module):
             _release_all_but(module, self.partitions)
             self.runner = RankRunner(self._local, group, stages, self.placement, data_parallel=data_parallel)
         self.steps_done = 0
-        self.trace = Trace(stages=stages, checkpoint=checkpoint)
+        self._trace: Union[Trace, Callable[[], Trace]] = Trace(stages=stages, checkpoint=checkpoint)
 
     def close(self) -> None:
         """Stop the stage worker threads now (they also stop when the pipe is garbage-collected);
@@ -160,6 +160,14 @@ class GPipe(nn.Module):
         return self._call("forward", inputs, None, None, on_event)
 
     @property
+    def trace(self) -> Trace:
+        """The record of the last call (engine/trace.py): its events, memory and messages. Built
+        when first read, so that a step nobody looks at does not pay for it."""
+        if not isinstance(self._trace, Trace):
+            self._trace = self._trace()
+        return self._trace
+
+    @property
     def call_origin(self) -> float:
         """The time origin of the current (or last) call as a time.perf_counter() reading (with
         stages as processes, on rank 0's clock): an event's times are seconds from it."""
@@ -168,7 +176,7 @@ class GPipe(nn.Module):
     def task_lists(self, micro_batches: int, training: bool = True) -> schedules.Schedule:
         """Each stage's task list, and the placement of chunks, for a call of `micro_batches` micro-batches."""
         if (micro_batches, training) in self._plans:  # a pure function of them: built once
-            return self._plans[(micro_batches, training)]
+            return self._plans[(micro_batches, training)][0]
         if not training:
             plan = schedules.forward_only(self.placement, micro_batches)
         elif isinstance(self.schedule, str):
@@ -180,7 +188,7 @@ class GPipe(nn.Module):
                                  f"mini-batch makes {micro_batches}: pass at least {self.micro_batches} samples")
             schedules.check(self.schedule, micro_batches, self.checkpoint)
             plan = self.schedule
-        self._plans[(micro_batches, training)] = plan
+        self._plans[(micro_batches, training)] = plan, schedules.recomputed(plan)
         return plan
 
     # --- one call: decided by the first stage, planned here, run by the runner -------------------
@@ -193,7 +201,7 @@ class GPipe(nn.Module):
             if kind == "step":
                 self.steps_done += 1
             call = self._prepare(kind, decision, inputs, targets, loss_fn)
-            result, self.trace = self.runner.run(call, on_event, serial)
+            result, self._trace = self.runner.run(call, on_event, serial)
         return result
 
     def _decide(self, kind: str, inputs) -> Decision:
@@ -220,9 +228,10 @@ class GPipe(nn.Module):
             check_targets(targets, decision.batch)
             micro_targets = scatter(pinned(targets, self.devices), self.micro_batches)
         replicas, tasks = self.runner.replicas, self.task_lists(len(sizes), training)
+        recomputed = self._plans[(len(sizes), training)][1]
         return Call(kind=kind, decision=decision, sizes=tuple(sizes),
                     micro_offset=0 if replicas is None else replicas.index * len(sizes),
-                    schedule=tasks, checkpoint=self.checkpoint, recomputed=schedules.recomputed(tasks),
+                    schedule=tasks, checkpoint=self.checkpoint, recomputed=recomputed,
                     record_memory=training and self.record_memory,
                     inputs=scatter(pinned(inputs, self.devices), self.micro_batches) if self._local.runs_first else None,
                     targets=micro_targets, loss_fn=loss_fn if training else None)

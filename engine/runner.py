@@ -38,7 +38,7 @@ class Runner(Protocol):
 
     def calling(self) -> ContextManager: ...                    # the scope of one call
     def agree(self, decision: Optional[Decision]) -> Decision: ...  # the first stage's decision, everywhere
-    def run(self, call: Call, on_event: EventCallback = None, serial: bool = False) -> tuple: ...  # (result, trace)
+    def run(self, call: Call, on_event: EventCallback = None, serial: bool = False) -> tuple: ...  # (result, () -> trace)
     def close(self) -> None: ...                                # stop threads, transports, groups
 
 
@@ -91,6 +91,12 @@ def events_of(local: LocalStages, marks: list[Mark], on_event: EventCallback) ->
     return events
 
 
+def call_shape(call: Call, kind_prefix: str = "") -> dict:
+    """What a call's trace says of the call itself (Trace's fields)."""
+    return dict(micro_batches=call.micro_batches, batch_size=call.decision.batch, checkpoint=call.checkpoint,
+                kind=kind_prefix + call.kind)
+
+
 def live(local: LocalStages, on_event: EventCallback):
     """An `on_mark` that hands each CPU task's event to `on_event` as it ends (None if no callback)."""
     if on_event is None:
@@ -125,7 +131,7 @@ class ThreadRunner:
         return decision
 
     def run(self, call: Call, on_event: EventCallback = None, serial: bool = False):
-        """Run the call's tasks; return (its result, its trace)."""
+        """Run the call's tasks; return its result and a function that builds its trace."""
         t0 = self.origin = self.local.start(call)
         transport = ThreadTransport(self.local.chunks, self.stages)
         try:
@@ -145,10 +151,16 @@ class ThreadRunner:
         self.local.settle()
         wall = time.perf_counter() - t0
         result = self.local.conclude(call)
-        trace = Trace(stages=self.stages, micro_batches=call.micro_batches, batch_size=call.decision.batch,
-                      checkpoint=call.checkpoint, kind=("serial " if serial else "") + call.kind,
-                      events=events_of(self.local, marks, on_event),
-                      memory=[self.local.memory(stage) for stage in self.local.devices], wall=wall)
+        memory = [self.local.memory(stage) for stage in self.local.devices]  # now: grads and ledgers change later
+        on_gpus = any(device.is_cuda for device in self.local.devices.values())
+        events = events_of(self.local, marks, on_event) if on_gpus else None  # GPU times are read against this
+        # call's origin, and the callback hears of them now; CPU times are plain numbers, read when wanted
+
+        shape = call_shape(call, "serial " if serial else "")  # not the call: it holds the inputs
+
+        def trace() -> Trace:  # built when read: a step nobody looks at does not pay for it
+            return Trace(stages=self.stages, **shape, memory=memory, wall=wall,
+                         events=events if events is not None else events_of(self.local, marks, None))
         return result, trace
 
     def close(self) -> None:

@@ -30,12 +30,18 @@ def fitted(points: dict[int, float]) -> tuple[float, float]:
     return statistics.median(t - slope * m for m, t in pairs), slope
 
 
+def burst(micro: int) -> int:
+    """Steps a contender takes in a row per round at M=`micro`: about 32 micro-batches' worth, so
+    that a round of the smallest M (a millisecond a step) is not one preemption's verdict."""
+    return max(1, 32 // micro)
+
+
 def sweep(work: peers.Workload = NEAR_EMPTY, micros=MICROS, rounds: int = 7,
           pipelining: Optional[peers.PipeliningProcesses] = None) -> dict[str, dict[int, float]]:
     """Each contender's median step seconds at every M, from one race (every contender's gradients
     are checked against the unpipelined model's on the way); `pipelining`: torch's ranks, started."""
     medians: dict[str, dict[int, float]] = {}
-    for results in peers.race(work, list(micros), rounds, checkpoint="never", pipelining=pipelining):
+    for results in peers.race(work, list(micros), rounds, checkpoint="never", pipelining=pipelining, burst=burst):
         for result in results:
             medians.setdefault(result.peer, {})[result.micro_batches] = result.seconds
     return medians
@@ -76,13 +82,21 @@ def rows(medians: dict[str, dict[int, float]], message_us: dict[str, float],
 
 
 def message_times(pool, torch_ranks: peers.PipeliningProcesses, work: peers.Workload = NEAR_EMPTY,
-                  micro: int = 8, count: int = 2000) -> dict[str, float]:
+                  micro: int = 8, count: int = 2000, rounds: int = 5) -> dict[str, float]:
     """Microseconds one activation of M=`micro` takes one way between the two stages: our stage
-    processes (`pool`, a ProcessPool of 2 built with the model) and torch's two ranks over gloo.
+    processes (`pool`, a ProcessPool of 2 built with the model) and torch's two ranks over gloo, in
+    `rounds` alternating turns of `count` round trips (the median turn), after a short turn each
+    (torch's ranks are then up: a turn of ours while they start would be timed beside their imports).
     Threads pass a reference: no message."""
     numel = work.batch // micro * work.width
-    return {"gpipe-lab engine, processes": pool.ping(count, numel) * 1e6,
-            peers.PipeliningProcesses.name: torch_ranks.ping(count, numel) * 1e6}
+    contenders = {"gpipe-lab engine, processes": pool.ping, peers.PipeliningProcesses.name: torch_ranks.ping}
+    for ping in contenders.values():
+        ping(count // 10, numel)
+    turns: dict[str, list[float]] = {name: [] for name in contenders}
+    for _ in range(rounds):
+        for name, ping in contenders.items():
+            turns[name].append(ping(count, numel))
+    return {name: statistics.median(seconds) * 1e6 for name, seconds in turns.items()}
 
 
 def measure(pool, tuned_malloc: bool, rounds: int, count: int = 2000, micros=MICROS) -> list[tuple[str, str, str]]:

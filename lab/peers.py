@@ -265,9 +265,11 @@ class PipeliningRank:
 
 
 def race(work: Workload, micros: list[int], rounds: int, progress: Optional[Callable[[str], None]] = None,
-         checkpoint: str = "never", pipelining: Optional[PipeliningProcesses] = None) -> Iterator[list[Result]]:
+         checkpoint: str = "never", pipelining: Optional[PipeliningProcesses] = None,
+         burst: Callable[[int], int] = lambda micro: 1) -> Iterator[list[Result]]:
     """Yield, M after M, every peer's result at that M, the one-core baseline first. At each M the
-    contenders take turns, one step each per round, after one untimed warm-up step each. Every
+    contenders take turns, `burst(M)` steps each per round (a round's time is their mean: steps of a
+    millisecond are steadier so), after one untimed warm-up step each. Every
     process in the race, the peer's two included, gets the same malloc tuning (see
     lab.host.keep_freed_cpu_memory). `pipelining`: the peer's ranks, if already started for `work`
     (closed at the end either way)."""
@@ -287,7 +289,7 @@ def race(work: Workload, micros: list[int], rounds: int, progress: Optional[Call
                     for contender, measured in zip(contenders, times):
                         if progress:
                             progress(f"M={micro}, round {round_}/{rounds}: {contender.name}")
-                        seconds = contender.step()
+                        seconds = statistics.mean(contender.step() for _ in range(burst(micro) if round_ else 1))
                         if round_:
                             measured.append(seconds)
                 yield [Result(contender.name, micro, tuple(measured), _difference(contender.grads(), reference))

@@ -2,6 +2,7 @@
 import gc
 import threading
 import time
+import weakref
 
 import pytest
 import torch
@@ -167,9 +168,13 @@ def test_same_pipe_works_after_a_failure(batch):
     with pytest.raises(RuntimeError):
         pipe.step(x[:, :5], y, LOSS)  # wrong input width fails in stage 0
     bad_loss = lambda out, target: 1 / 0  # noqa: E731
+    outputs = []  # weak references to stage 0's outputs, which its graphs hold
+    hook = pipe.partitions[0].register_forward_hook(lambda module, args, out: outputs.append(weakref.ref(out)))
     with pytest.raises(ZeroDivisionError):
         pipe.step(x, y, bad_loss)  # fails in the last stage, after the others kept their graphs
-    assert all(stage.ledger.live == 0 for stage in pipe._local.chunks.values())  # the dropped graphs freed it all
+    hook.remove()
+    assert outputs and all(ref() is None for ref in outputs)  # the dropped graphs are freed
+    assert all(stage.ledger.live == 0 for stage in pipe._local.chunks.values())  # and released from the ledger
     for p in model.parameters():
         p.grad = None
     loss = pipe.step(x, y, LOSS)

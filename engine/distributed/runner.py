@@ -19,10 +19,10 @@ import torch.distributed as dist
 
 from ..call import Call, Decision
 from ..device import check_device, one_per_stage, resolve_devices
-from ..runner import EventCallback, events_of, live, name_place, run_tasks
+from ..runner import EventCallback, call_shape, events_of, live, name_place, run_tasks
 from ..stages import LocalStages
 from ..trace import Event, Message, Reduction, StageMemory, Trace
-from .replicas import Pending, Replicas
+from .replicas import Replicas
 from .transport import ProcessTransport, Ranks, StageFailed, check_group, nccl_in
 from .wire import Malformed, pack_table, unpack_table
 
@@ -104,7 +104,8 @@ class RankRunner:
         marks = run_tasks(self.local, [(rank, task) for task in call.schedule[rank]], self.transport,
                           live(self.local, on_event), prefix=self.prefix)
         self.local.settle()  # the stage's gradients are written before the replicas sum them
-        events = events_of(self.local, marks, on_event)
+        sent_on = not self.ranks.is_first or any(device.is_cuda for device in self.local.devices.values())
+        events = events_of(self.local, marks, on_event) if sent_on else None  # else when the trace is read
         total = call.decision.batch  # this pipeline's shard of the global batch, until the replicas sum it
         reducing = self.replicas is not None and call.training
         pending = self.replicas.start(self.local.parameters(), total) if reducing else None  # overlaps the drain
@@ -113,11 +114,18 @@ class RankRunner:
             result, total = self.replicas.global_loss(result, total, self.transport.check_failures)
         if reducing:
             self.replicas.finish(pending, self.transport.check_failures)
-        piece = self._piece(events, t0, self.local.memory(rank), pending)
-        loss, total, pieces = self._end_waves(result if call.training else None, total, piece)
+        memory, messages = self.local.memory(rank), self.transport.messages()  # now: both change with the next call
+        reductions = [] if pending is None else [(rank, pending.start - t0, pending.end - t0, pending.nbytes)]
+        piece = lambda events: self._piece(events, t0, memory, messages, reductions)
+        loss, total, later = self._end_waves(result if call.training else None, total,
+                                             None if self.ranks.is_first else piece(events))
         if reducing:
             self.replicas.assign(pending, total)
-        trace = self._trace(pieces, call, time.perf_counter() - t0)
+        wall, shape = time.perf_counter() - t0, call_shape(call)  # not the call: it holds the inputs
+
+        def trace() -> Trace:  # built when read: a step nobody looks at does not pay for it
+            return self._trace([piece(events if events is not None else events_of(self.local, marks, None))] + later,
+                               shape, wall)
         if call.training:
             return loss.to(self.local.devices[rank].device), trace
         return result, trace
@@ -132,17 +140,19 @@ class RankRunner:
         """End the transport's threads and groups (every rank calls it)."""
         self.transport.close()
 
-    def _piece(self, events: list[Event], t0: float, memory: StageMemory, pending: Optional[Pending]) -> tuple:
+    def _piece(self, events: list[Event], t0: float, memory: StageMemory, messages: list[tuple],
+               reductions: list[tuple]) -> tuple:
         """This stage's part of the trace in plain tuples, times from its start (given on rank 0's clock)."""
-        messages = [(*m[:6], m[6] - t0, m[7] - t0) for m in self.transport.messages()]
-        reductions = [] if pending is None else [(self.ranks.rank, pending.start - t0, pending.end - t0, pending.nbytes)]
+        messages = [(*m[:6], m[6] - t0, m[7] - t0) for m in messages]
         rows = [tuple(vars(record).values()) for record in (*events, memory)]  # astuple deep-copies: 10 us a record
         return (t0 - self.transport.clock_offset, rows[:-1], messages, rows[-1], reductions)
 
-    def _end_waves(self, loss: Optional[torch.Tensor], total: int, piece: tuple) -> tuple[Optional[torch.Tensor], int, list]:
-        """"end" upstream with the loss, the global batch's size and the trace pieces, then "done" back."""
+    def _end_waves(self, loss: Optional[torch.Tensor], total: int,
+                   piece: Optional[tuple]) -> tuple[Optional[torch.Tensor], int, list]:
+        """"end" upstream with the loss, the global batch's size and the trace pieces (this stage's
+        `piece`, none from the first), then "done" back; returns the later stages' pieces."""
         ranks, transport = self.ranks, self.transport
-        pieces, later = [piece], b""
+        pieces, later = [], b""
         if not ranks.is_last:  # the loss comes up from the last chunk's rank (ZB-V's V puts it on rank 0)
             theirs, their_total, later, after = self._read_end(transport.receive_control("end"), ranks.rank + 1)
             loss, total = (theirs, their_total) if loss is None else (loss, total)
@@ -181,7 +191,7 @@ class RankRunner:
         except Malformed as error:
             raise Malformed(f"the {kind!r} message from stage {peer} is malformed: {error}") from None
 
-    def _trace(self, pieces: list, call: Call, wall: float) -> Trace:
+    def _trace(self, pieces: list, shape: dict, wall: float) -> Trace:
         """One trace of the stages this rank heard from (all of them on rank 0), on its time base."""
         origin = pieces[0][0]
         events, messages, memory, reductions = [], [], [], []
@@ -192,8 +202,7 @@ class RankRunner:
             memory.append(StageMemory(*stage_memory))
             reductions += [Reduction(s, a + shift, b + shift, n) for s, a, b, n in stage_reductions]
         events.sort(key=lambda e: (e.start, e.stage))
-        return Trace(stages=self.ranks.size, micro_batches=call.micro_batches, batch_size=call.decision.batch,
-                     checkpoint=call.checkpoint, kind=call.kind, events=events,
+        return Trace(stages=self.ranks.size, **shape, events=events,
                      memory=sorted(memory, key=lambda m: m.stage), wall=wall,
                      messages=sorted(messages, key=lambda m: m.start), transport="processes",
                      lane=self.transport.lane.name, reductions=sorted(reductions, key=lambda r: r.stage),
