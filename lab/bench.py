@@ -448,7 +448,7 @@ def overhead_rows(pool: ProcessPool, tuned: bool, rounds: int, count: int, micro
     goes in stage processes (call_parts over traced steps, after a warm-up step)."""
     rows = overhead.measure(pool, tuned, rounds, count, micros)
     work = overhead.NEAR_EMPTY
-    step = process_step(pool, work.width, work.blocks, 1, checkpoint="never", threads_per_stage=1)
+    step = process_step(pool, work.width, work.blocks, 1, checkpoint="never", threads_per_stage=1, **overhead.LEAN)
     x, y = work.data()
     traces, seconds = [], []
     for _ in range(1 + 3 * rounds):

@@ -9,6 +9,8 @@ call), the slope what each micro-batch adds. Of the slope, plain PyTorch's own p
 core, the whole model) over K is the layers' work a stage does; the rest is the pipeline's, per
 micro-batch and stage: 2 tasks (F and B) and, between processes, 2 messages (one out, one in).
 A message's one-way time is measured apart (round trips of an activation between the two ranks).
+Our pipes run without the activation ledger (`record_memory=False`), as the peers keep none; what
+the ledger costs is a row of the engine benchmark's own table.
 """
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ from . import peers
 NEAR_EMPTY = peers.Workload(width=16, blocks=8, batch=64)
 MICROS = (1, 2, 4, 8, 16, 32, 64)
 STAGES = 2
+LEAN = {"record_memory": False}  # our pipes here keep no activation ledger: torch's and torchgpipe's keep none
 
 
 def fitted(points: dict[int, float]) -> tuple[float, float]:
@@ -41,7 +44,8 @@ def sweep(work: peers.Workload = NEAR_EMPTY, micros=MICROS, rounds: int = 7,
     """Each contender's median step seconds at every M, from one race (every contender's gradients
     are checked against the unpipelined model's on the way); `pipelining`: torch's ranks, started."""
     medians: dict[str, dict[int, float]] = {}
-    for results in peers.race(work, list(micros), rounds, checkpoint="never", pipelining=pipelining, burst=burst):
+    for results in peers.race(work, list(micros), rounds, checkpoint="never", pipelining=pipelining, burst=burst,
+                              engine_options=LEAN):
         for result in results:
             medians.setdefault(result.peer, {})[result.micro_batches] = result.seconds
     return medians
@@ -71,7 +75,7 @@ def rows(medians: dict[str, dict[int, float]], message_us: dict[str, float],
                     f"micro-batch ({per_task * 1e6:.0f} per task, messages included)"
                     + (f"; a message {message:.0f} us one way" if message is not None else ""),
                     f"intercept and slope of step time over M = {min(micros)}..{max(micros)}, less plain "
-                    f"PyTorch's layers"))
+                    f"PyTorch's layers" + ("; ours without the memory ledger" if name.startswith("gpipe-lab") else "")))
     for micro in (min(micros), max(micros)):
         torch_step = medians[torch_name][micro]
         ours = ", ".join(f"{name.removeprefix('gpipe-lab engine, ')} {torch_step / medians[name][micro]:.2f}x"

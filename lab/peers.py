@@ -9,6 +9,7 @@ step of the same round.
 """
 from __future__ import annotations
 
+import functools
 import importlib.util
 import statistics
 import time
@@ -127,17 +128,17 @@ class Ours:
         self.stepper.close()
 
 
-def ours(work: Workload, micro: int, checkpoint: str) -> Ours:
-    """This project's engine: K=2 stages, one thread (core) each."""
+def ours(work: Workload, micro: int, checkpoint: str, **options) -> Ours:
+    """This project's engine: K=2 stages, one thread (core) each; `options` for GPipe."""
     return Ours("gpipe-lab engine, threads", work,
-                Stepper(RECIPE, work.recipe, 2, chunks=micro, checkpoint=checkpoint, threads_per_stage=1))
+                Stepper(RECIPE, work.recipe, 2, chunks=micro, checkpoint=checkpoint, threads_per_stage=1, **options))
 
 
-def ours_in_processes(pool: ProcessPool, work: Workload, micro: int, checkpoint: str) -> Ours:
+def ours_in_processes(pool: ProcessPool, work: Workload, micro: int, checkpoint: str, **options) -> Ours:
     """This project's engine with one process per stage: `pool`, kept for the whole race and
     rebuilt at each M; a step's time is measured by the first stage's process."""
     return Ours("gpipe-lab engine, processes", work,
-                Stepper(RECIPE, work.recipe, 2, pool=pool, chunks=micro, checkpoint=checkpoint))
+                Stepper(RECIPE, work.recipe, 2, pool=pool, chunks=micro, checkpoint=checkpoint, **options))
 
 
 def torchgpipe_available() -> bool:
@@ -266,23 +267,25 @@ class PipeliningRank:
 
 def race(work: Workload, micros: list[int], rounds: int, progress: Optional[Callable[[str], None]] = None,
          checkpoint: str = "never", pipelining: Optional[PipeliningProcesses] = None,
-         burst: Callable[[int], int] = lambda micro: 1) -> Iterator[list[Result]]:
+         burst: Callable[[int], int] = lambda micro: 1, engine_options: Optional[dict] = None) -> Iterator[list[Result]]:
     """Yield, M after M, every peer's result at that M, the one-core baseline first. At each M the
     contenders take turns, `burst(M)` steps each per round (a round's time is their mean: steps of a
-    millisecond are steadier so), after one untimed warm-up step each. Every
+    millisecond are steadier so), after one untimed warm-up step each; `engine_options` go to our
+    engine's pipes (e.g. record_memory=False, where the peers keep no ledger). Every
     process in the race, the peer's two included, gets the same malloc tuning (see
     lab.host.keep_freed_cpu_memory). `pipelining`: the peer's ranks, if already started for `work`
     (closed at the end either way)."""
     tuned_malloc = keep_freed_cpu_memory()
     reference = unpipelined_gradients(work.model(), *work.data(), nn.functional.mse_loss)
-    builders = [single_device, ours] + ([torchgpipe_peer] if torchgpipe_available() else [])
+    options = engine_options or {}
+    builders = [single_device, functools.partial(ours, **options)] + ([torchgpipe_peer] if torchgpipe_available() else [])
     pipelining = pipelining or PipeliningProcesses(work, tuned_malloc)
     pool = None
     try:
         pool = ProcessPool(2, threads_per_stage=1, keep_freed_memory=tuned_malloc)
         for micro in micros:
             contenders = [build(work, micro, checkpoint) for build in builders] + \
-                [ours_in_processes(pool, work, micro, checkpoint), pipelining.at(micro)]
+                [ours_in_processes(pool, work, micro, checkpoint, **options), pipelining.at(micro)]
             try:
                 times: list[list[float]] = [[] for _ in contenders]
                 for round_ in range(rounds + 1):
