@@ -113,8 +113,7 @@ class Chunk:
         later chunk, gradient for B on an earlier one; already safe to use on this stage), else
         None. Returns the message for a neighbouring chunk, (chunk, key, value), if the task produced
         one."""
-        run = {"F": self._forward, "R": self._recompute, "B": self._backward, "W": self._weights}[task.op]
-        return run(task.micro, received)
+        return self.TASKS[task.op](self, task.micro, received)
 
     def _message(self, kind: str, micro: int, value: Value) -> tuple[int, tuple, Value]:
         destination = self.index + 1 if kind == "F" else self.index - 1
@@ -221,7 +220,10 @@ class Chunk:
 
         def each_layer(x: Value) -> Value:
             for layer_id, layer, has_bn in zip(self.layer_ids, self.partition, self._has_batch_norm):
-                with self.batch_norm if has_bn else nullcontext():
+                if has_bn:
+                    with self.batch_norm:
+                        x = self.randomness.run(layer_id, layer, x, micro + self.call.micro_offset)
+                else:
                     x = self.randomness.run(layer_id, layer, x, micro + self.call.micro_offset)
             return x
 
@@ -237,6 +239,8 @@ class Chunk:
     def _release(self, holding: Optional[Holding]) -> None:
         if holding is not None:
             self.ledger.release(holding)
+
+    TASKS = {"F": _forward, "R": _recompute, "B": _backward, "W": _weights}  # op -> what runs it
 
     def _loss(self, output: Value, micro: int) -> torch.Tensor:
         target = self.device.to_here(self.call.targets[micro])

@@ -120,7 +120,9 @@ class Children:
         if not self.open:
             raise ChildFailed(f"the {self.name} processes were stopped (after close(), or after one died); "
                               f"start new ones")
-        for index, (connection, command) in enumerate(zip(self._connections, commands)):
+        # the last child first: of a pool's stages the first, which starts each call and times it, hears
+        # last, so it does not wait for the others to hear of the call (the parent's own hand-over)
+        for index, (connection, command) in reversed(list(enumerate(zip(self._connections, commands)))):
             try:
                 send(connection, command)
             except OSError:
