@@ -34,9 +34,10 @@ def fitted(points: dict[int, float]) -> tuple[float, float]:
 
 
 def burst(micro: int) -> int:
-    """Steps a contender takes in a row per round at M=`micro`: about 32 micro-batches' worth, so
-    that a round of the smallest M (a millisecond a step) is not one preemption's verdict."""
-    return max(1, 32 // micro)
+    """Steps a contender takes in a row per round at M=`micro` (their median is the round's time):
+    64 micro-batches' worth, at least 8 steps, so that neither one preemption nor the slow first
+    steps of a process woken from its pause between turns decide a round."""
+    return max(8, 64 // micro)
 
 
 def sweep(work: peers.Workload = NEAR_EMPTY, micros=MICROS, rounds: int = 7,

@@ -269,8 +269,9 @@ def race(work: Workload, micros: list[int], rounds: int, progress: Optional[Call
          checkpoint: str = "never", pipelining: Optional[PipeliningProcesses] = None,
          burst: Callable[[int], int] = lambda micro: 1, engine_options: Optional[dict] = None) -> Iterator[list[Result]]:
     """Yield, M after M, every peer's result at that M, the one-core baseline first. At each M the
-    contenders take turns, `burst(M)` steps each per round (a round's time is their mean: steps of a
-    millisecond are steadier so), after one untimed warm-up step each; `engine_options` go to our
+    contenders take turns, `burst(M)` steps each per round (a round's time is their median: a
+    process's first steps after its pause between turns run slow, up to 1.6x for a step of a
+    millisecond on this host), after an untimed warm-up round; `engine_options` go to our
     engine's pipes (e.g. record_memory=False, where the peers keep no ledger). Every
     process in the race, the peer's two included, gets the same malloc tuning (see
     lab.host.keep_freed_cpu_memory). `pipelining`: the peer's ranks, if already started for `work`
@@ -292,7 +293,7 @@ def race(work: Workload, micros: list[int], rounds: int, progress: Optional[Call
                     for contender, measured in zip(contenders, times):
                         if progress:
                             progress(f"M={micro}, round {round_}/{rounds}: {contender.name}")
-                        seconds = statistics.mean(contender.step() for _ in range(burst(micro) if round_ else 1))
+                        seconds = statistics.median([contender.step() for _ in range(burst(micro))])
                         if round_:
                             measured.append(seconds)
                 yield [Result(contender.name, micro, tuple(measured), _difference(contender.grads(), reference))

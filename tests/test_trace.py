@@ -104,6 +104,26 @@ def test_memory_per_stage(batch):
         assert m.activation_peak_bytes > 0 and m.device_peak_bytes is None
 
 
+def test_a_trace_read_late_tells_of_its_call_as_it_ended(batch):
+    """The trace is built when first read; what changes after the call (gradients zeroed, the
+    ledger's next call) does not reach it, and a trace nobody read is never built."""
+    x, y = batch
+    model = mlp(width=32)
+    x = torch.randn(24, 32)
+    pipe = GPipe(model, 2, chunks=4, checkpoint="never")
+    pipe.step(x, y, LOSS)
+    assert callable(pipe._trace)  # not built yet
+    model.zero_grad(set_to_none=True)
+    pipe.forward(x)  # another call, forward only, in between: its own trace replaces the step's unread one
+    pipe.step(x, y, LOSS)
+    model.zero_grad(set_to_none=True)
+    trace = pipe.trace
+    assert trace is pipe.trace and trace.kind == "step" and len(trace.events) == 2 * 2 * 4
+    for m, partition in zip(trace.memory, pipe.partitions):
+        assert m.grad_bytes == sum(p.numel() * 4 for p in partition.parameters())  # as the step left them
+        assert m.activation_peak_bytes > 0
+
+
 def test_recompute_holds_far_fewer_activations():
     model = nn.Sequential(*[layer for _ in range(8) for layer in (nn.Linear(64, 64), nn.Tanh())])
     x, y = torch.randn(256, 64), torch.randn(256, 64)
