@@ -1,19 +1,13 @@
 """A byte ledger of the activations a stage keeps for its backward pass.
 
-Autograd hands every tensor it saves for backward to a saved-tensors pack hook. Inside `saving()`
-the hook only notes the tensor; when the block ends, the ledger counts the bytes of each distinct
-storage noted (parameters left out) and hands back a `Holding`, which keeps them counted until
-the task that frees the graph releases it (a backward, or the weight-gradient task of a split
-one). A storage two holdings share is counted once, until both are released. Inputs kept for a
-recompute are held the same way. The peak of the live total is what the trace reports.
-
-Counting once per block rather than once per tensor keeps the hook to a list append (it runs
-for every saved tensor, so its cost is paid per layer per micro-batch). Between tasks the live
-total is what a per-tensor count would show: a stage runs one task at a time, and a graph's
-saved tensors live from its forward until its backward is done, or, for a split backward, in
-part until W: there B frees what W does not need, so such a holding is `watched` (weak
-references to its tensors) and, before anything new is counted, storages autograd has freed
-are dropped from it.
+Inside `saving()` autograd's saved-tensors pack hook only notes each tensor it saves; at the block's
+end the ledger counts each distinct storage noted (parameters left out) in a `Holding`, counted
+until the task that frees the graph releases it (its backward, or W after a split one); a storage
+two holdings share counts once. Inputs kept for a recompute are held alike. A stage runs one task
+at a time, so between tasks the live total is what a count per tensor (a Python object and a lock
+per saved tensor, on every layer of every micro-batch) showed. A split backward's B frees what W
+does not need: such a holding is watched (weak references) and swept before anything new counts.
+The peak of the live total is what the trace reports.
 """
 from __future__ import annotations
 
@@ -103,12 +97,9 @@ class ActivationLedger:
         frees before the release stop counting then (a graph that a split backward frees in parts)."""
         noted: list[torch.Tensor] = []
 
-        def pack(tensor: torch.Tensor) -> torch.Tensor:
-            # detached: a layer's saved output would otherwise hold its own graph node, a cycle
-            # that outlives the graph when no backward frees it (a failed step, a graph kept for W)
-            tensor = tensor.detach()
-            noted.append(tensor)
-            return tensor
+        def pack(tensor: torch.Tensor) -> torch.Tensor:  # detached: a saved output would hold its own graph
+            noted.append(tensor.detach())               # node, a cycle that outlives a graph no backward frees
+            return noted[-1]
 
         holding = Holding()
         try:
