@@ -64,7 +64,8 @@ def parts(medians: dict[str, dict[int, float]]) -> dict[str, dict[str, float]]:
 def rows(medians: dict[str, dict[int, float]], message_us: dict[str, float],
          micros=MICROS) -> list[tuple[str, str, str]]:
     """lab.bench's rows: per contender its microseconds per call, per micro-batch of pipeline work,
-    per task and per message, then its step at M=1 and M=64 beside torch's."""
+    per task and per message, what an M=1 call adds to the layers' work, then its step at M=1 and
+    M=64 beside torch's."""
     split = parts(medians)
     torch_name = peers.PipeliningProcesses.name
     out = []
@@ -77,6 +78,11 @@ def rows(medians: dict[str, dict[int, float]], message_us: dict[str, float],
                     + (f"; a message {message:.0f} us one way" if message is not None else ""),
                     f"intercept and slope of step time over M = {min(micros)}..{max(micros)}, less plain "
                     f"PyTorch's layers" + ("; ours without the memory ledger" if name.startswith("gpipe-lab") else "")))
+    first, plain = min(micros), medians[peers.BASELINE][min(micros)]
+    out.append((f"near-empty K=2, M={first}: a call's own time",
+                ", ".join(f"{name} {(medians[name][first] - plain) * 1e6:.0f} us" for name in split),
+                "its step less plain PyTorch's on one core (the layers' work): what a call of one micro-batch "
+                "adds, its fill and drain included"))
     for micro in (min(micros), max(micros)):
         torch_step = medians[torch_name][micro]
         ours = ", ".join(f"{name.removeprefix('gpipe-lab engine, ')} {torch_step / medians[name][micro]:.2f}x"

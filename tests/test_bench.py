@@ -21,6 +21,7 @@ def test_quick_benchmark_prints_every_row(capsys):
     assert len(own) == 3 + peers.torchgpipe_available() and all(" us per call, " in row for row in own)
     assert sum("a message " in row for row in own) == 2     # processes and torch's ranks; threads pass references
     assert [row.split("|")[1].strip() for row in near_empty[len(own):]] == [
+        "near-empty K=2, M=1: a call's own time",
         "near-empty K=2, M=1: our step vs torch.distributed.pipelining's",
         "near-empty K=2, M=16: our step vs torch.distributed.pipelining's",
         "near-empty K=2, processes, M=1: the call outside its two stages' tasks"]
@@ -105,6 +106,8 @@ def test_the_engines_own_time_is_the_intercept_and_slope_less_the_layers_work():
     assert parts["ours"] == pytest.approx({"call": 2 * ms, "micro-batch": 3 * ms, "pipeline per micro-batch": 1 * ms})
     rows = overhead.rows({**medians, "gpipe-lab engine, processes": line}, {"gpipe-lab engine, processes": 30.0})
     assert rows[2][1] == "2000 us per call, 1000 us per micro-batch (500 per task, messages included); a message 30 us one way"
+    assert rows[3][1] == (f"ours 1000 us, {peers.PipeliningProcesses.name} 1000 us, "
+                          f"gpipe-lab engine, processes 1000 us")  # 5 ms steps at M=1 against plain PyTorch's 4
     assert rows[-2:] == [
         ("near-empty K=2, M=1: our step vs torch.distributed.pipelining's", "processes 1.00x",
          ">= 1.0x: torch's step time over ours"),
