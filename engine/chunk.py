@@ -220,10 +220,7 @@ class Chunk:
 
         def each_layer(x: Value) -> Value:
             for layer_id, layer, has_bn in zip(self.layer_ids, self.partition, self._has_batch_norm):
-                if has_bn:
-                    with self.batch_norm:
-                        x = self.randomness.run(layer_id, layer, x, micro + self.call.micro_offset)
-                else:
+                with self.batch_norm if has_bn else nullcontext():
                     x = self.randomness.run(layer_id, layer, x, micro + self.call.micro_offset)
             return x
 

@@ -175,8 +175,12 @@ class GPipe(nn.Module):
 
     def task_lists(self, micro_batches: int, training: bool = True) -> schedules.Schedule:
         """Each stage's task list, and the placement of chunks, for a call of `micro_batches` micro-batches."""
-        if (micro_batches, training) in self._plans:  # a pure function of them: built once
-            return self._plans[(micro_batches, training)][0]
+        return self._plan(micro_batches, training)[0]
+
+    def _plan(self, micro_batches: int, training: bool) -> tuple[schedules.Schedule, frozenset]:
+        """The task lists and the (chunk, micro-batch) pairs they recompute, built once per (M, training)."""
+        if (micro_batches, training) in self._plans:  # a pure function of them
+            return self._plans[(micro_batches, training)]
         if not training:
             plan = schedules.forward_only(self.placement, micro_batches)
         elif isinstance(self.schedule, str):
@@ -189,7 +193,7 @@ class GPipe(nn.Module):
             schedules.check(self.schedule, micro_batches, self.checkpoint)
             plan = self.schedule
         self._plans[(micro_batches, training)] = plan, schedules.recomputed(plan)
-        return plan
+        return self._plans[(micro_batches, training)]
 
     # --- one call: decided by the first stage, planned here, run by the runner -------------------
 
@@ -227,8 +231,7 @@ class GPipe(nn.Module):
                                  f"mini-batch's targets there (other ranks may pass None)")
             check_targets(targets, decision.batch)
             micro_targets = scatter(pinned(targets, self.devices), self.micro_batches)
-        replicas, tasks = self.runner.replicas, self.task_lists(len(sizes), training)
-        recomputed = self._plans[(len(sizes), training)][1]
+        replicas, (tasks, recomputed) = self.runner.replicas, self._plan(len(sizes), training)
         return Call(kind=kind, decision=decision, sizes=tuple(sizes),
                     micro_offset=0 if replicas is None else replicas.index * len(sizes),
                     schedule=tasks, checkpoint=self.checkpoint, recomputed=recomputed,

@@ -153,9 +153,9 @@ class ThreadRunner:
         result = self.local.conclude(call)
         memory = [self.local.memory(stage) for stage in self.local.devices]  # now: grads and ledgers change later
         on_gpus = any(device.is_cuda for device in self.local.devices.values())
-        events = events_of(self.local, marks, on_event) if on_gpus else None  # GPU times are read against this
-        # call's origin, and the callback hears of them now; CPU times are plain numbers, read when wanted
-
+        # GPU times are read against this call's origin, and the callback hears of them now; CPU times
+        # are plain numbers, read when the trace is
+        events = events_of(self.local, marks, on_event) if on_gpus else None
         shape = call_shape(call, "serial " if serial else "")  # not the call: it holds the inputs
 
         def trace() -> Trace:  # built when read: a step nobody looks at does not pay for it
