@@ -63,7 +63,7 @@ class ActivationLedger:
             for watched in self._watched:
                 self._drop(watched, [(key, size) for key, size in watched.storages
                                      if all(ref() is None for ref in watched.watched[key])])
-            if watch:
+            if holding.watched:  # released by `release`, which looks for it only then
                 self._watched.append(holding)
             for key, size in holding.storages:
                 entry = self._holders.get(key)

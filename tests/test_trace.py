@@ -149,6 +149,23 @@ def test_nothing_stays_held_after_a_step(batch):
     assert all(stage.ledger.live == 0 for stage in pipe._local.chunks.values())
 
 
+def test_a_watched_holding_goes_with_its_release_even_when_it_counted_nothing():
+    """A split backward's holdings are watched until released; one whose block saved nothing but
+    parameters (nothing counted) must not stay watched, swept again before every later count."""
+    from engine.memory import ActivationLedger
+    weight = nn.Parameter(torch.randn(4, 4))
+    ledger = ActivationLedger([weight])
+    with ledger.saving(watch=True) as holding:
+        out = torch.randn(2, 4) @ weight  # saves its input (counted) and the weight (not), held by out's graph
+    with ledger.saving(watch=True) as nothing:
+        weight.sum()  # saves nothing
+    assert holding.storages and not nothing.storages and ledger._watched == [holding]
+    del out
+    ledger.release(holding)
+    ledger.release(nothing)
+    assert ledger.live == 0 and ledger._watched == []
+
+
 def test_serial_step_times_each_task_alone_and_gives_the_same_gradients(batch):
     x, y = batch
     results = []
