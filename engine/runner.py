@@ -12,6 +12,7 @@ unit-cost diagram, so that each task is timed alone. Stages in other processes r
 """
 from __future__ import annotations
 
+import functools
 import queue
 import threading
 import time
@@ -80,15 +81,21 @@ def run_tasks(local: LocalStages, work: Iterable[tuple[int, Task]], transport,
     return marks
 
 
-def events_of(local: LocalStages, marks: list[Mark], on_event: EventCallback) -> list[Event]:
-    """The timed events of a call's marks, in start order. On CUDA the times are known only now
-    (it waits for the GPU), so the callback hears of them now rather than live."""
-    events = [local.chunks[task.chunk].event(task, a, b, timed=True) for task, a, b in marks]
-    events.sort(key=lambda e: (e.start, e.stage))
-    if on_event is not None and any(device.is_cuda for device in local.devices.values()):
+def events_of(local: LocalStages, marks: list[Mark], on_event: EventCallback) -> Callable[[], list[Event]]:
+    """A function giving the timed events of a call's marks, in start order. On CUDA they are read
+    now (the times are known only once the GPU is waited for, against this call's origin), so the
+    callback hears of them now rather than live; CPU times are plain numbers, made into events when
+    first asked for (a trace nobody reads makes none)."""
+    def read() -> list[Event]:
+        events = [local.chunks[task.chunk].event(task, a, b, timed=True) for task, a, b in marks]
+        return sorted(events, key=lambda e: (e.start, e.stage))
+    if not any(device.is_cuda for device in local.devices.values()):
+        return functools.cache(read)
+    events = read()
+    if on_event is not None:
         for event in events:
             on_event(event)
-    return events
+    return lambda: events
 
 
 def call_shape(call: Call, kind_prefix: str = "") -> dict:
@@ -152,15 +159,11 @@ class ThreadRunner:
         wall = time.perf_counter() - t0
         result = self.local.conclude(call)
         memory = [self.local.memory(stage) for stage in self.local.devices]  # now: grads and ledgers change later
-        on_gpus = any(device.is_cuda for device in self.local.devices.values())
-        # GPU times are read against this call's origin, and the callback hears of them now; CPU times
-        # are plain numbers, read when the trace is
-        events = events_of(self.local, marks, on_event) if on_gpus else None
+        events = events_of(self.local, marks, on_event)
         shape = call_shape(call, "serial " if serial else "")  # not the call: it holds the inputs
 
         def trace() -> Trace:  # built when read: a step nobody looks at does not pay for it
-            return Trace(stages=self.stages, **shape, memory=memory, wall=wall,
-                         events=events if events is not None else events_of(self.local, marks, None))
+            return Trace(stages=self.stages, **shape, memory=memory, wall=wall, events=events())
         return result, trace
 
     def close(self) -> None:

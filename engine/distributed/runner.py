@@ -104,8 +104,7 @@ class RankRunner:
         marks = run_tasks(self.local, [(rank, task) for task in call.schedule[rank]], self.transport,
                           live(self.local, on_event), prefix=self.prefix)
         self.local.settle()  # the stage's gradients are written before the replicas sum them
-        sent_on = not self.ranks.is_first or any(device.is_cuda for device in self.local.devices.values())
-        events = events_of(self.local, marks, on_event) if sent_on else None  # else when the trace is read
+        events = events_of(self.local, marks, on_event)
         total = call.decision.batch  # this pipeline's shard of the global batch, until the replicas sum it
         reducing = self.replicas is not None and call.training
         pending = self.replicas.start(self.local.parameters(), total) if reducing else None  # overlaps the drain
@@ -118,14 +117,13 @@ class RankRunner:
         reductions = [] if pending is None else [(rank, pending.start - t0, pending.end - t0, pending.nbytes)]
         piece = lambda events: self._piece(events, t0, memory, messages, reductions)
         loss, total, later = self._end_waves(result if call.training else None, total,
-                                             None if self.ranks.is_first else piece(events))
+                                             None if self.ranks.is_first else piece(events()))
         if reducing:
             self.replicas.assign(pending, total)
         wall, shape = time.perf_counter() - t0, call_shape(call)  # not the call: it holds the inputs
 
         def trace() -> Trace:  # built when read: a step nobody looks at does not pay for it
-            return self._trace([piece(events if events is not None else events_of(self.local, marks, None))] + later,
-                               shape, wall)
+            return self._trace([piece(events())] + later, shape, wall)
         if call.training:
             return loss.to(self.local.devices[rank].device), trace
         return result, trace
