@@ -3,7 +3,8 @@
 The prediction replays each stage's task list against what the engine's ledger counts (distinct
 storages saved for backward), measured once per chunk on one micro-batch:
 - F keeps the chunk's input and every tensor its layers save; F of a micro-batch the schedule
-  recomputes (it runs an R for it) keeps its input only, and R saves new tensors (a recompute makes its own, also its own output);
+  recomputes (it runs an R for it) keeps its input only, and R saves new tensors (a recompute
+  makes its own, also its own output);
 - a chunk's output is the next chunk's input: on one stage (a V), one storage, counted once;
 - the first chunk's micro-batches are views of the mini-batch: its whole storage counts once while
   any of them is held;

@@ -247,9 +247,9 @@ class Ran:
 def run_beside_gpipe(config: RunConfig, schedule: Schedule, rounds: int = 1, also: tuple = (),
                      called: str = "written", checkpoint: Optional[str] = None) -> list[Ran]:
     """Steps of `schedule` (labelled `called`; under `checkpoint`, "as_written" say, else the
-    configuration's) on the configuration's model, its stages as the
-    configuration says (threads or processes), beside GPipe's at the same K and M, and beside each
-    built-in schedule named in `also` (at the fewest chunks per stage it places): one step of each
+    configuration's) on the configuration's model, its stages as the configuration says (threads
+    or processes), beside GPipe's at the same K and M, and beside each built-in schedule named in
+    `also` (at the fewest chunks per stage it places): one step of each
     to warm up, then `rounds` rounds of one step of each, in turn, so that the host's load falls on
     all alike (lab.verdict judges the rounds). The gradients of each (every step starts from zero,
     no optimizer steps) against the unpipelined step on the whole mini-batch (against GPipe's, for

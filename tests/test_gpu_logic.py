@@ -672,3 +672,27 @@ def test_an_nccl_edge_carries_any_dtype_as_bytes(monkeypatch, dtype):
     receiver.tensor_groups = {("act", 0, 1): (edge, 0)}
     [received], _ = receiver._post_nccl_receives(SimpleNamespace(peer=0, views=[frames[0].numpy()]), 0)
     assert received.dtype == dtype and torch.equal(received, sent)
+
+
+@pytest.mark.parametrize("on_gpu", [False, True])
+def test_a_calls_events_are_read_at_once_on_a_gpu_and_when_asked_for_on_a_cpu(on_gpu):
+    """engine.runner.events_of: on a GPU the events are read at the call's end (their times are measured
+    against that call's origin) and the callback hears of each then, in start order; on a CPU nothing is
+    made until the trace asks, and then once."""
+    from engine.runner import events_of
+    from engine.schedule import Task
+    from engine.trace import Event
+    made, heard = [], []
+
+    class Chunk:
+        def event(self, task, start, end, timed=False):
+            made.append(task)
+            return Event(0, task.micro, task.op, start, end, "cuda:0" if on_gpu else "cpu")
+
+    local = type("Local", (), {"chunks": {0: Chunk()}, "devices": {0: type("Device", (), {"is_cuda": on_gpu})()}})()
+    marks = [(Task("B", 0, 0), 2.0, 3.0), (Task("F", 0, 0), 0.0, 1.0)]
+    events = events_of(local, marks, heard.append)
+    assert len(made) == (2 if on_gpu else 0)
+    assert heard == (events() if on_gpu else [])
+    assert [f"{e.op}{e.micro}" for e in events()] == ["F0", "B0"] and events() is events()
+    assert len(made) == 2
