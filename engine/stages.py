@@ -86,10 +86,11 @@ class LocalStages:
     def memory(self, stage: int) -> StageMemory:
         """Memory of one stage: its chunks' parameters and gradients, its activation peak."""
         chunks = [chunk for chunk in self.chunks.values() if chunk.stage == stage]
-        params = [p for chunk in chunks for p in chunk.parameters()]
+        param_bytes = grad_bytes = 0
+        for chunk in chunks:  # one pass, at the call's end: each attribute read costs there
+            for p in chunk.parameters():
+                param_bytes += p.nbytes
+                grad_bytes += 0 if p.grad is None else p.grad.nbytes
         device = self.devices[stage]
-        return StageMemory(
-            stage=stage, device=str(device.device),
-            param_bytes=sum(p.numel() * p.element_size() for p in params),
-            grad_bytes=sum(p.grad.numel() * p.grad.element_size() for p in params if p.grad is not None),
-            activation_peak_bytes=chunks[0].ledger.peak, device_peak_bytes=device.peak_bytes())
+        return StageMemory(stage=stage, device=str(device.device), param_bytes=param_bytes, grad_bytes=grad_bytes,
+                           activation_peak_bytes=chunks[0].ledger.peak, device_peak_bytes=device.peak_bytes())

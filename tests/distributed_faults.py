@@ -22,6 +22,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from small_models import mlp  # noqa: E402
 from engine import GPipe  # noqa: E402
+from engine.distributed.runner import decode_end  # noqa: E402
 
 LOSS = nn.CrossEntropyLoss()
 
@@ -86,11 +87,17 @@ def blob(data: bytes) -> torch.Tensor:
     return torch.frombuffer(bytearray(data), dtype=torch.uint8)
 
 
-FORGED_ENDS = {  # (the loss it came with, 24 samples) -> what a forger sends instead
-    "garbled end": lambda loss: (loss, torch.tensor([24]), blob(b"\x07" * 40)),
-    "pickled end": lambda loss: (loss, torch.tensor([24]), blob(pickle.dumps([Unpickled()]))),
-    "end of another form": lambda loss: torch.zeros(3),
+FORGED_ENDS = {  # the honest "end" (bytes: the loss, the batch size, the trace) -> what a forger sends
+    "garbled end": lambda honest: blob(b"\x07" * 40),
+    "pickled end": lambda honest: blob(pickle.dumps([Unpickled()])),
+    "end of another form": lambda honest: torch.zeros(3),
 }
+
+
+def garble_pieces(honest: torch.Tensor) -> torch.Tensor:
+    """The honest "end" with its loss and batch size, and garbage for the trace pieces."""
+    data = honest.numpy().tobytes()
+    return blob(data[:decode_end(data)[2]] + b"\x07" * 40)
 
 
 def forge_end(pipe, forged) -> None:
@@ -101,7 +108,7 @@ def forge_end(pipe, forged) -> None:
     def send_control(destination, kind, value=None, micro=0):
         if kind == "end":
             transport.send_control = honest
-            value = forged(value[0])
+            value = forged(value)
         honest(destination, kind, value, micro)
     transport.send_control = send_control
 
@@ -169,6 +176,11 @@ def main(group: str, runs: int, backward_runs: int) -> None:
             forge_end(pipe, forged)
         report(failed_at=time.time())
         attempt(lambda: pipe.step(inputs, targets, LOSS))
+    SCENARIO = "garbled trace"  # a true loss and batch size, garbage for the trace: the step stands, the trace does not
+    if RANK == last:
+        forge_end(pipe, garble_pieces)
+    report(loss=pipe.step(inputs, targets, LOSS).item())
+    attempt(lambda: pipe.trace)
     pipe.close()
 
     SCENARIO = "group size"

@@ -194,12 +194,18 @@ def test_faults_under_torchrun_are_raised_on_every_rank_promptly_every_time(tmp_
     outputs = {r["rank"]: r["output"] for r in scenarios["forward only"]}
     assert outputs == {0: None, 1: None, 2: [24, 3]}
     for name, why in (("garbled end", "a table of"), ("pickled end", "a table of"),
-                      ("end of another form", "expected (loss, batch size, trace), got a tensor")):
+                      ("end of another form", "expected (loss, batch size, trace) as bytes, got a float32 tensor of shape (3,)")):
         [forged] = raised(name, runs=1)
         said = "[rank 1, stage 1] the 'end' message from stage 2 is malformed: "
         assert forged[1]["raised"] == "Malformed" and forged[1]["message"].startswith(said + why), forged[1]
         assert told(forged, (0, 2), "Malformed: " + said), forged
     assert not (tmp_path / "unpickled").exists(), "a rank unpickled what another sent"
+    garbled = by_scenario(reports)["garbled trace"]  # the step's loss and batch size were true: it stands
+    assert len([r for r in garbled if "loss" in r]) == 3 and len({r["loss"] for r in garbled if "loss" in r}) == 1
+    read = {r["rank"]: r for r in garbled if "raised" in r}  # the trace read on ranks 0 and 1 names its sender
+    assert read[2]["raised"] is None and all(read[r]["raised"] == "Malformed" for r in (0, 1)), read
+    assert read[1]["message"].startswith("the trace pieces from stage 2 are malformed: a table of"), read[1]
+    assert read[0]["message"].startswith("the trace pieces from stage 1 are malformed: "), read[0]
     [size] = raised("group size", runs=1)
     assert all(r["raised"] == "ValueError" and "the group has 3 ranks but the pipeline has 4 stages" in r["message"]
                for r in size.values())

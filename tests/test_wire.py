@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from engine.distributed import shm_lane, wire
-from engine.distributed.runner import PIECE, decode_pieces, encode_pieces
+from engine.distributed.runner import PIECE, decode_end, decode_pieces, encode_end, encode_pieces
 from engine.transport import StageFailed
 from engine.trace import Event
 
@@ -47,6 +47,25 @@ def test_trace_pieces_travel_as_typed_tables_and_come_back_equal():
 def test_anything_but_the_tables_is_malformed_and_nothing_is_unpickled(data):
     with pytest.raises(wire.Malformed):
         decode_pieces(data, 1)
+    assert UNPICKLED == []
+
+
+@pytest.mark.parametrize("loss", [None, torch.tensor(0.1), torch.tensor(0.1, dtype=torch.float64),
+                                  torch.tensor(0.1, dtype=torch.bfloat16), torch.tensor(6e4, dtype=torch.float16)])
+def test_an_end_says_the_loss_exactly_in_its_dtype_and_the_batch_size(loss):
+    data = encode_end(loss, 24) + b"pieces"
+    got, size, offset = decode_end(data)
+    assert size == 24 and data[offset:] == b"pieces"
+    assert got is None if loss is None else (got.dtype == loss.dtype and got.shape == () and torch.equal(got, loss))
+
+
+@pytest.mark.parametrize("data", [b"\x07" * 40, pickle.dumps([Unpickled()]), encode_end(torch.tensor(1.0), 2)[:-1],
+                                  wire.pack_table("ifsi", [(1, 0.5, "int64", 2)]),
+                                  wire.pack_table("ifsi", [(1, 0.5, "float32", -2)]),
+                                  wire.pack_table("ifsi", [(1, 0.5, "float32", 2)] * 2)])
+def test_an_end_that_says_anything_else_is_malformed(data):
+    with pytest.raises(wire.Malformed):
+        decode_end(data)
     assert UNPICKLED == []
 
 

@@ -123,7 +123,7 @@ class RankRunner:
         wall, shape = time.perf_counter() - t0, call_shape(call)  # not the call: it holds the inputs
 
         def trace() -> Trace:  # built when read: a step nobody looks at does not pay for it
-            return self._trace([piece(events())] + later, shape, wall)
+            return self._trace([piece(events())] + self._later_pieces(later), shape, wall)
         if call.training:
             return loss.to(self.local.devices[rank].device), trace
         return result, trace
@@ -146,48 +146,49 @@ class RankRunner:
         return (t0 - self.transport.clock_offset, rows[:-1], messages, rows[-1], reductions)
 
     def _end_waves(self, loss: Optional[torch.Tensor], total: int,
-                   piece: Optional[tuple]) -> tuple[Optional[torch.Tensor], int, list]:
+                   piece: Optional[tuple]) -> tuple[Optional[torch.Tensor], int, bytes]:
         """"end" upstream with the loss, the global batch's size and the trace pieces (this stage's
-        `piece`, none from the first), then "done" back; returns the later stages' pieces."""
+        `piece`, none from the first), then "done" back; returns the later stages' pieces as they came."""
         ranks, transport = self.ranks, self.transport
-        pieces, later = [], b""
+        later = b""
         if not ranks.is_last:  # the loss comes up from the last chunk's rank (ZB-V's V puts it on rank 0)
-            theirs, their_total, later, after = self._read_end(transport.receive_control("end"), ranks.rank + 1)
+            theirs, their_total, later = self._read_end(transport.receive_control("end"), ranks.rank + 1)
             loss, total = (theirs, their_total) if loss is None else (loss, total)
-            pieces += after
         if not ranks.is_first:  # the later stages' pieces travel on as they came
-            blob = torch.frombuffer(bytearray(encode_pieces([piece]) + later), dtype=torch.uint8)
-            transport.send_control(ranks.rank - 1, "end", (None if loss is None else loss.cpu(),
-                                                           torch.tensor([total]), blob))
+            transport.send_control(ranks.rank - 1, "end", _bytes(encode_end(loss, total) + encode_pieces([piece]) + later))
             done = transport.receive_control("done")
             loss, total = self._read_end(done, ranks.rank - 1)[:2] if self.relays else (loss, total)
         if not ranks.is_last:
-            transport.send_control(ranks.rank + 1, "done", (None if loss is None else loss.cpu(), torch.tensor([total]),
-                                                            torch.zeros(0, dtype=torch.uint8)) if self.relays else None)
+            transport.send_control(ranks.rank + 1, "done", _bytes(encode_end(loss, total)) if self.relays else None)
             if self.relays:  # a second "end": the next rank read what "done" carried, so this one may close its lane
                 transport.receive_control("end", micro=1)
         if self.relays and not ranks.is_first:
             transport.send_control(ranks.rank - 1, "end", micro=1)
-        return loss, total, pieces
+        return loss, total, later
 
-    def _read_end(self, value, peer: int) -> tuple[Optional[torch.Tensor], int, bytes, list]:
+    def _read_end(self, value, peer: int) -> tuple[Optional[torch.Tensor], int, bytes]:
         """The next stage's "end" (or the previous one's "done"): loss (None in a forward), global batch
-        size, trace pieces decoded and as they came; Malformed, naming the sender, if it is anything else."""
+        size and the trace pieces' bytes (read with the trace); Malformed, naming the sender, if the
+        rest is anything else."""
         kind = "end" if peer > self.ranks.rank else "done"
         try:
-            if not isinstance(value, tuple) or len(value) != 3 or value[1] is None or value[2] is None:
-                raise Malformed(f"expected (loss, batch size, trace), got {_shape_of(value)}")
-            loss, size, blob = value
-            if loss is not None and (not loss.is_floating_point() or loss.numel() != 1):
-                raise Malformed(f"the loss is a {loss.dtype} tensor of shape {tuple(loss.shape)}")
-            if size.dtype != torch.int64 or size.shape != (1,) or size.item() < 0:
-                raise Malformed(f"the batch size is a {size.dtype} tensor of shape {tuple(size.shape)}")
-            if blob.dtype != torch.uint8 or blob.dim() != 1:
-                raise Malformed(f"the trace is a {blob.dtype} tensor of shape {tuple(blob.shape)}")
-            data = blob.numpy().tobytes()
-            return loss, int(size.item()), data, decode_pieces(data, self.ranks.size - peer if kind == "end" else 0)
+            if not isinstance(value, torch.Tensor) or value.dtype != torch.uint8 or value.dim() != 1:
+                raise Malformed(f"expected (loss, batch size, trace) as bytes, got {_shape_of(value)}")
+            data = value.numpy().tobytes()
+            loss, size, offset = decode_end(data)
+            return loss, size, data[offset:]
         except Malformed as error:
             raise Malformed(f"the {kind!r} message from stage {peer} is malformed: {error}") from None
+
+    def _later_pieces(self, data: bytes) -> list:
+        """The later stages' trace pieces, decoded when the trace is read (a step whose trace nobody
+        reads does not pay for them; what the call returned was checked in it); Malformed, naming
+        the stage that sent them, if they are anything else."""
+        peer = self.ranks.rank + 1
+        try:
+            return decode_pieces(data, self.ranks.size - peer)
+        except Malformed as error:
+            raise Malformed(f"the trace pieces from stage {peer} are malformed: {error}") from None
 
     def _trace(self, pieces: list, shape: dict, wall: float) -> Trace:
         """One trace of the stages this rank heard from (all of them on rank 0), on its time base."""
@@ -208,10 +209,14 @@ class RankRunner:
 
 
 def _shape_of(value) -> str:
-    """What a received value is, in a few words (a tensor, or a tuple of tensors and Nones)."""
-    if isinstance(value, tuple):
-        return "(" + ", ".join("None" if v is None else "a tensor" for v in value) + ")"
-    return "None" if value is None else "a tensor"
+    """What a received value is, in a few words (a tensor and its dtype and shape, a tuple, or None)."""
+    if isinstance(value, torch.Tensor):
+        return f"a {str(value.dtype).removeprefix('torch.')} tensor of shape {tuple(value.shape)}"
+    return "a tuple" if isinstance(value, tuple) else "None"
+
+
+def _bytes(data: bytes) -> torch.Tensor:
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8)
 
 
 def _schema(cls) -> str:
@@ -220,6 +225,29 @@ def _schema(cls) -> str:
 
 
 PIECE = ("f", _schema(Event), _schema(Message), _schema(StageMemory), _schema(Reduction))  # start; tables
+END = "ifsi"  # whether a loss came, its value, its dtype, the global batch's size: one row, before the pieces
+LOSS_DTYPES = {str(t).removeprefix("torch."): t for t in (torch.float32, torch.float64, torch.float16, torch.bfloat16)}
+
+
+def encode_end(loss: Optional[torch.Tensor], total: int) -> bytes:
+    """What an "end" or "done" message says before its trace pieces: the loss (exactly, as a float64:
+    every dtype of LOSS_DTYPES fits in it) and the global batch's size."""
+    name = "" if loss is None else str(loss.dtype).removeprefix("torch.")
+    return pack_table(END, [(loss is not None, 0.0 if loss is None else loss.item(), name, total)])
+
+
+def decode_end(data: bytes) -> tuple[Optional[torch.Tensor], int, int]:
+    """(loss or None, batch size, offset of the trace pieces) of an "end" or "done" message; Malformed if
+    it says anything else."""
+    rows, offset = unpack_table(END, data)
+    if len(rows) != 1:
+        raise Malformed(f"{len(rows)} rows where the loss and batch size were expected")
+    [(has_loss, value, dtype, size)] = rows
+    if has_loss and dtype not in LOSS_DTYPES:
+        raise Malformed(f"a loss of dtype {dtype!r}; expected one of {sorted(LOSS_DTYPES)}")
+    if size < 0:
+        raise Malformed(f"a batch of {size} samples")
+    return (torch.tensor(value, dtype=LOSS_DTYPES[dtype]) if has_loss else None), size, offset
 
 
 def encode_pieces(pieces: list) -> bytes:
@@ -228,9 +256,10 @@ def encode_pieces(pieces: list) -> bytes:
                     for schema, rows in zip(PIECE, ([(start,)], events, messages, [memory], reductions)))
 
 
-def decode_pieces(data: bytes, count: int) -> list:
-    """The `count` trace pieces `encode_pieces` laid out in `data`; Malformed if it holds anything else."""
-    pieces, offset = [], 0
+def decode_pieces(data: bytes, count: int, offset: int = 0) -> list:
+    """The `count` trace pieces `encode_pieces` laid out in `data` from `offset` to its end; Malformed
+    if it holds anything else."""
+    pieces = []
     for _ in range(count):
         tables = []
         for schema in PIECE:
