@@ -3,21 +3,29 @@ Linear(16)+ReLU, batch 64, K=2), stepped at M = 1 to 64 by our engine (stage thr
 processes) and by torch.distributed.pipelining's ScheduleGPipe, side by side in interleaved rounds
 (`peers.race`), with plain PyTorch on one core beside them.
 
-A straight line through each contender's median step times over M takes its time apart: the
-intercept is what a call costs whatever its M (planning, the decision, the trace, the end of the
-call), the slope what each micro-batch adds. Of the slope, plain PyTorch's own per micro-batch (one
-core, the whole model) over K is the layers' work a stage does; the rest is the pipeline's, per
-micro-batch and stage: 2 tasks (F and B) and, between processes, 2 messages (one out, one in).
-A message's one-way time is measured apart (round trips of an activation between the two ranks).
-Our pipes run without the activation ledger (`record_memory=False`), as the peers keep none; what
-the ledger costs is a row of the engine benchmark's own table.
+Per call: what a step spends on its first stage before the model's first layer runs and after that
+layer's last gradient (lab.call_ends: hooks on the layer itself, the same for every contender), at
+M=1, in alternating turns. Per micro-batch: a straight line through each contender's median step
+times over M; its slope is what each micro-batch adds, and of it plain PyTorch's own per
+micro-batch (one core, the whole model) over K is the layers' work a stage does; the rest is the
+pipeline's, per micro-batch and stage: 2 tasks (F and B) and, between processes, 2 messages (one
+out, one in). The line's intercept is not a call's cost: a pipeline whose stages overlap holds its
+fill and drain there, one whose stages barely overlap does not. A message's one-way time is
+measured apart (round trips of an activation between the two ranks). Our pipes run without the
+activation ledger (`record_memory=False`), as the peers keep none; what the ledger costs is a row
+of the engine benchmark's own table.
 """
 from __future__ import annotations
 
 import statistics
 from typing import Optional
 
+from torch import nn
+
+from engine import GPipe
+
 from . import peers
+from .call_ends import median_ends
 
 NEAR_EMPTY = peers.Workload(width=16, blocks=8, batch=64)
 MICROS = (1, 2, 4, 8, 16, 32, 64)
@@ -61,23 +69,27 @@ def parts(medians: dict[str, dict[int, float]]) -> dict[str, dict[str, float]]:
             for name, (call, slope) in lines.items() if name != peers.BASELINE}
 
 
-def rows(medians: dict[str, dict[int, float]], message_us: dict[str, float],
+def rows(medians: dict[str, dict[int, float]], message_us: dict[str, float], ends: dict[str, tuple[float, float]],
          micros=MICROS) -> list[tuple[str, str, str]]:
-    """lab.bench's rows: per contender its microseconds per call, per micro-batch of pipeline work,
-    per task and per message, what an M=1 call adds to the layers' work, then its step at M=1 and
-    M=64 beside torch's."""
+    """lab.bench's rows: per contender its microseconds per call (`ends`: before the first layer,
+    after its last gradient), per micro-batch of pipeline work, per task and per message, what an
+    M=1 call adds to the layers' work, then its step at M=1 and M=64 beside torch's."""
     split = parts(medians)
     torch_name = peers.PipeliningProcesses.name
     out = []
     for name, part in split.items():
         per_task = part["pipeline per micro-batch"] / 2
         message = message_us.get(name)
+        before, after = ends[name]
         out.append((f"near-empty K=2, {name}: engine's own time",
-                    f"{part['call'] * 1e6:.0f} us per call, {part['pipeline per micro-batch'] * 1e6:.0f} us per "
+                    f"{(before + after) * 1e6:.0f} us per call ({before * 1e6:.0f} before the first layer, "
+                    f"{after * 1e6:.0f} after its last gradient), {part['pipeline per micro-batch'] * 1e6:.0f} us per "
                     f"micro-batch ({per_task * 1e6:.0f} per task, messages included)"
                     + (f"; a message {message:.0f} us one way" if message is not None else ""),
-                    f"intercept and slope of step time over M = {min(micros)}..{max(micros)}, less plain "
-                    f"PyTorch's layers" + ("; ours without the memory ledger" if name.startswith("gpipe-lab") else "")))
+                    f"per call: the first stage's, at M=1 (the line's intercept, fill and drain included: "
+                    f"{part['call'] * 1e6:.0f} us); per micro-batch: the slope of step time over M = "
+                    f"{min(micros)}..{max(micros)}, less plain PyTorch's layers"
+                    + ("; ours without the memory ledger" if name.startswith("gpipe-lab") else "")))
     first, plain = min(micros), medians[peers.BASELINE][min(micros)]
     out.append((f"near-empty K=2, M={first}: a call's own time",
                 ", ".join(f"{name} {(medians[name][first] - plain) * 1e6:.0f} us" for name in split),
@@ -110,13 +122,45 @@ def message_times(pool, torch_ranks: peers.PipeliningProcesses, work: peers.Work
     return {name: statistics.median(seconds) * 1e6 for name, seconds in turns.items()}
 
 
+def call_ends(pool, torch_ranks: peers.PipeliningProcesses, work: peers.Workload = NEAR_EMPTY,
+              count: int = 400, turns: int = 5) -> dict[str, tuple[float, float]]:
+    """Per contender, the seconds an M=1 step spends on its first stage before the model's first layer
+    and after that layer's last gradient (lab.call_ends), medians of `count` steps in each of `turns`
+    alternating turns, then the median turn, after a short turn each. `pool`: a ProcessPool of 2."""
+    x, y = work.data()
+    loss = nn.functional.mse_loss
+    pool.build(peers.RECIPE, work.recipe, balance=STAGES, chunks=1, checkpoint="never", threads_per_stage=1, **LEAN)
+    pipe = GPipe(work.model(), STAGES, chunks=1, checkpoint="never", threads_per_stage=1, **LEAN)
+    contenders = {
+        "gpipe-lab engine, threads": lambda n: median_ends(pipe.partitions[0][0], lambda: pipe.step(x, y, loss), n,
+                                                           before_each=lambda: pipe.zero_grad(set_to_none=True)),
+        "gpipe-lab engine, processes": lambda n: pool.ends(x, y, loss, n),
+        peers.PipeliningProcesses.name: lambda n: torch_ranks.ends(1, n)}
+    if peers.torchgpipe_available():
+        peer = peers.torchgpipe_peer(work, 1, "never")
+        contenders["torchgpipe"] = lambda n: peers.with_threads(
+            1, lambda: median_ends(peer.model[0], peer.train, n, before_each=lambda: peer.model.zero_grad(set_to_none=True)))
+    timed: dict[str, list[tuple[float, float]]] = {name: [] for name in contenders}
+    try:
+        for ends in contenders.values():
+            ends(max(1, count // 10))
+        for _ in range(turns):
+            for name, ends in contenders.items():
+                timed[name].append(ends(count))
+    finally:
+        pipe.close()
+    return {name: (statistics.median(t[0] for t in turns_), statistics.median(t[1] for t in turns_))
+            for name, turns_ in timed.items()}
+
+
 def measure(pool, tuned_malloc: bool, rounds: int, count: int = 2000, micros=MICROS) -> list[tuple[str, str, str]]:
     """The near-empty model's rows for lab.bench (`pool`: a ProcessPool of 2 stages)."""
     pool.build(peers.RECIPE, NEAR_EMPTY.recipe, chunks=8, checkpoint="never")
     torch_ranks = peers.PipeliningProcesses(NEAR_EMPTY, tuned_malloc)
     try:
         messages = message_times(pool, torch_ranks, count=count)
+        ends = call_ends(pool, torch_ranks, count=max(20, count // 5))
     except BaseException:
         torch_ranks.close()
         raise
-    return rows(sweep(micros=micros, rounds=rounds, pipelining=torch_ranks), messages, micros)  # the race closes them
+    return rows(sweep(micros=micros, rounds=rounds, pipelining=torch_ranks), messages, ends, micros)  # the race closes them

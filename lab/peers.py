@@ -14,13 +14,14 @@ import importlib.util
 import statistics
 import time
 from dataclasses import dataclass
-from typing import Callable, Iterator, Optional
+from typing import Callable, Iterator, Optional, TypeVar
 
 import torch
 from torch import nn
 
 
 from . import models, theory
+from .call_ends import median_ends
 from .children import Children
 from .exactness import unpipelined_gradients
 from .host import keep_freed_cpu_memory
@@ -29,6 +30,7 @@ from .pool import ProcessPool
 from .stepper import Stepper
 
 BASELINE = "one core, no pipeline"
+T = TypeVar("T")
 RECIPE = "lab.models:build_mlp"   # the workload's model, by name: stage processes build it too
 
 
@@ -71,17 +73,24 @@ def _difference(grads: list[torch.Tensor], reference: list[torch.Tensor]) -> flo
     return max((a - b).abs().max().item() for a, b in zip(grads, reference))
 
 
-def _timed(step: Callable[[], None], threads: Optional[int] = None) -> float:
-    """Seconds one call of `step` takes, with `threads` intra-op threads in this thread if given."""
+def with_threads(threads: Optional[int], run: Callable[[], T]) -> T:
+    """`run()` with `threads` intra-op threads in this thread if given (restored after)."""
     previous = torch.get_num_threads()
     if threads:
         torch.set_num_threads(threads)
     try:
+        return run()
+    finally:
+        torch.set_num_threads(previous)
+
+
+def _timed(step: Callable[[], None], threads: Optional[int] = None) -> float:
+    """Seconds one call of `step` takes, with `threads` intra-op threads in this thread if given."""
+    def timed() -> float:
         start = time.perf_counter()
         step()
         return time.perf_counter() - start
-    finally:
-        torch.set_num_threads(previous)
+    return with_threads(threads, timed)
 
 
 class InProcess:
@@ -172,6 +181,11 @@ class PipeliningProcesses:
         """Seconds a message of `numel` float32 takes one way between the two ranks (`PipeliningRank.ping`)."""
         return self.ranks.ask([("ping", (count, numel))] * 2)[0]
 
+    def ends(self, micro: int, count: int) -> tuple[float, float]:
+        """Median seconds a step at M=`micro` spends on rank 0 before the first layer and after its
+        last gradient, over `count` steps (`PipeliningRank.ends`)."""
+        return self.ranks.ask([("ends", (micro, count))] * 2)[0]
+
     def ask(self, command: str, micro: int = 0) -> list:
         """Send `command` to both ranks and return their answers, rank 0 first; a failure in a rank
         is raised here with its own type, a dead or silent rank after at most the timeout."""
@@ -205,8 +219,9 @@ class PipeliningAt:
 
 
 class PipeliningRank:
-    """One rank of the peer: builds its half of the model, then serves ("step" | "grads", M)
-    commands. With `tuned_malloc` its malloc keeps freed memory, as the racing process's does."""
+    """One rank of the peer: builds its half of the model, then serves ("step" | "grads", M),
+    ("ping", (count, numel)) and ("ends", (M, count)) commands. With `tuned_malloc` its malloc
+    keeps freed memory, as the racing process's does."""
 
     def __init__(self, rank: int, store: str, work: Workload, tuned_malloc: bool):
         if tuned_malloc:
@@ -220,27 +235,51 @@ class PipeliningRank:
         self.schedules: dict = {}
 
     def __call__(self, command: tuple[str, int]):
-        import torch.distributed as dist
-        from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
-
         what, micro = command
         if what == "ping":
             return self.ping(*micro)
+        if what == "ends":
+            return self.ends(*micro)
         if what not in ("step", "grads"):
-            raise ValueError(f"unknown command {what!r}; expected 'step', 'grads' or 'ping'")
+            raise ValueError(f"unknown command {what!r}; expected 'step', 'grads', 'ping' or 'ends'")
+        if what == "grads":
+            return [p.grad.clone() for p in self.part.parameters()]
+        self._ready(micro)
+        start = time.perf_counter()
+        self._step(micro)
+        return time.perf_counter() - start
+
+    def _schedule(self, micro: int):
+        from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
+
         if micro not in self.schedules:
             stage = PipelineStage(self.part, self.rank, 2, torch.device("cpu"))
             self.schedules[micro] = ScheduleGPipe(stage, n_microbatches=micro, loss_fn=nn.functional.mse_loss)
-        if what == "grads":
-            return [p.grad.clone() for p in self.part.parameters()]
+        return self.schedules[micro]
+
+    def _ready(self, micro: int) -> None:
+        """Before a timed step: its schedule made, gradients zeroed, both ranks at a barrier."""
+        import torch.distributed as dist
+
+        self._schedule(micro)
         self.part.zero_grad()
         dist.barrier()
-        start = time.perf_counter()
+
+    def _step(self, micro: int) -> None:
         if self.rank == 0:
             self.schedules[micro].step(self.x)
         else:
             self.schedules[micro].step(target=self.y, losses=[])
-        return time.perf_counter() - start
+
+    def ends(self, micro: int, count: int) -> Optional[tuple[float, float]]:
+        """`count` steps; on rank 0 (the first layer's) the median seconds before that layer's forward
+        and after its last gradient (lab.call_ends), None on rank 1."""
+        if self.rank != 0:
+            for _ in range(count):
+                self._ready(micro)
+                self._step(micro)
+            return None
+        return median_ends(self.part[0], lambda: self._step(micro), count, before_each=lambda: self._ready(micro))
 
     def ping(self, count: int, numel: int) -> float:
         """Seconds a tensor of `numel` float32 takes one way between the two ranks over gloo, the

@@ -143,6 +143,15 @@ class ProcessPool:
             raise ValueError(f"ping needs a pool of 2 stages, this one has {self.stages}")
         return self._ask([("ping", (count, numel))] * 2)[0]
 
+    def ends(self, inputs, targets, loss_fn: Callable, count: int) -> tuple[float, float]:
+        """Median seconds a training step spends before the model's first layer and after its last
+        gradient, over `count` steps, in the process that runs that layer (lab.call_ends)."""
+        self._require_built()
+        name_of(loss_fn)
+        answers = self._ask([("ends", (inputs if rank == 0 else None, targets, loss_fn, count))
+                             for rank in range(self.stages)])
+        return next(answer for answer in answers if answer is not None)
+
     def resources(self) -> list[dict]:
         """Each stage process's threads, file descriptors and process groups (they must not grow)."""
         return self._ask([("resources", ())] * self.stages)

@@ -1,17 +1,19 @@
 """A stage process of a ProcessPool (lab/pool.py, the parent's side): it joins the
 pool's group, builds its stage of the model from a recipe, and answers the pool's commands (build,
-step, forward, parameters, ping)."""
+step, forward, parameters, ping, ends)."""
 from __future__ import annotations
 
 import os
 import threading
 import time
+from typing import Optional
 
 import torch
 
 from engine.device import spread
 
 from .children import resolve
+from .call_ends import median_ends
 from .host import keep_freed_cpu_memory
 from .loopback import join
 
@@ -56,6 +58,8 @@ class StageServer:
                     for chunk, partition in zip(self.pipe.local_chunks, self.pipe.partitions)]
         if what == "ping":
             return self._ping(*args)
+        if what == "ends":
+            return self._ends(*args)
         if what == "resources":
             import torch.distributed as dist
             return {"threads": threading.active_count(), "file descriptors": len(os.listdir("/proc/self/fd")),
@@ -74,6 +78,18 @@ class StageServer:
         if self.optimizer is not None:
             self.optimizer.step()
         return loss.detach().cpu(), self.pipe.trace if self.rank == 0 else None, seconds
+
+    def _ends(self, inputs, targets, loss_fn, count: int) -> Optional[tuple[float, float]]:
+        """`count` training steps; on the rank that runs the model's first layer, the median seconds
+        each spent before that layer's forward and after its last gradient (lab.call_ends), else None."""
+        def step():  # the trace is not read: a step's own time
+            return self.pipe.step(inputs, targets, loss_fn)
+        if 0 not in self.pipe.local_chunks:
+            for _ in range(count):
+                self.pipe.zero_grad()
+                step()
+            return None
+        return median_ends(self.pipe.partitions[0][0], step, count, before_each=self.pipe.zero_grad)
 
     def _ping(self, count: int, numel: int) -> float:
         """Round trips with the other stage process, through the pipe's transport, as a call of its own."""

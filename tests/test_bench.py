@@ -1,12 +1,16 @@
 """The benchmark runs end to end and prints its table (timings themselves are not tested); its
 accounting of a step in processes is checked on a trace made by hand."""
 import re
+import time
 
 import pytest
+import torch
+from torch import nn
 
 from engine.device import cpu_cores
 from engine.trace import Event, Message, Trace
 from lab import bench, peers
+from lab.call_ends import Ends, median_ends
 
 
 def test_quick_benchmark_prints_every_row(capsys):
@@ -18,7 +22,8 @@ def test_quick_benchmark_prints_every_row(capsys):
     assert len(rows) == 26
     own = [row for row in near_empty if "engine's own time" in row]
     assert {row.split(",")[1].split(":")[0].strip() for row in own} >= {"gpipe-lab engine", "torch.distributed.pipelining ScheduleGPipe"}
-    assert len(own) == 3 + peers.torchgpipe_available() and all(" us per call, " in row for row in own)
+    assert len(own) == 3 + peers.torchgpipe_available() and all(" us per call (" in row for row in own)
+    assert all(" before the first layer, " in row and " after its last gradient)" in row for row in own)
     assert sum("a message " in row for row in own) == 2     # processes and torch's ranks; threads pass references
     assert [row.split("|")[1].strip() for row in near_empty[len(own):]] == [
         "near-empty K=2, M=1: a call's own time",
@@ -104,8 +109,11 @@ def test_the_engines_own_time_is_the_intercept_and_slope_less_the_layers_work():
                peers.PipeliningProcesses.name: {m: 1 * ms + 4 * ms * m for m in overhead.MICROS}}
     parts = overhead.parts(medians)
     assert parts["ours"] == pytest.approx({"call": 2 * ms, "micro-batch": 3 * ms, "pipeline per micro-batch": 1 * ms})
-    rows = overhead.rows({**medians, "gpipe-lab engine, processes": line}, {"gpipe-lab engine, processes": 30.0})
-    assert rows[2][1] == "2000 us per call, 1000 us per micro-batch (500 per task, messages included); a message 30 us one way"
+    ends = dict.fromkeys(["ours", "gpipe-lab engine, processes", peers.PipeliningProcesses.name], (1e-4, 2e-4))
+    rows = overhead.rows({**medians, "gpipe-lab engine, processes": line}, {"gpipe-lab engine, processes": 30.0}, ends)
+    assert rows[2][1] == ("300 us per call (100 before the first layer, 200 after its last gradient), 1000 us per "
+                          "micro-batch (500 per task, messages included); a message 30 us one way")
+    assert "(the line's intercept, fill and drain included: 2000 us)" in rows[2][2]
     assert rows[3][1] == (f"ours 1000 us, {peers.PipeliningProcesses.name} 1000 us, "
                           f"gpipe-lab engine, processes 1000 us")  # 5 ms steps at M=1 against plain PyTorch's 4
     assert rows[-2:] == [
@@ -113,6 +121,32 @@ def test_the_engines_own_time_is_the_intercept_and_slope_less_the_layers_work():
          ">= 1.0x: torch's step time over ours"),
         ("near-empty K=2, M=64: our step vs torch.distributed.pipelining's", f"processes {(1 + 4 * 64) / (2 + 3 * 64):.2f}x",
          ">= 1.0x: torch's step time over ours")]
+
+
+def test_call_ends_are_the_times_before_the_first_layer_and_after_its_last_gradient():
+    """lab.call_ends on a step that waits 2 ms before its first layer and 3 ms after its backward, over
+    two micro-batches: at least those waits (sleeps last at least that long on any host), and the
+    first forward and last gradient, not the others, bound them."""
+    torch.manual_seed(0)
+    model, x = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 1)), torch.randn(8, 4)
+
+    def step():
+        time.sleep(0.002)
+        for half in x.chunk(2):
+            model(half).sum().backward()
+            time.sleep(0.001)
+        time.sleep(0.002)
+    ends = Ends(model[0])
+    start = time.perf_counter()
+    before, after = ends.timed(step)
+    whole = time.perf_counter() - start
+    assert before >= 0.002 and after >= 0.003 and before + after + 0.001 <= whole  # the second half's wait is inside
+    ends.close()
+    assert not model[0]._forward_pre_hooks and median_ends(model[0], step, 3) >= (0.002, 0.003)
+    with pytest.raises(ValueError, match="ReLU has no trainable parameter"):
+        Ends(model[1])
+    with pytest.raises(RuntimeError, match="never ran the watched layer"):
+        Ends(model[0]).timed(lambda: None)
 
 
 def test_search_prints_the_found_schedule_beside_the_built_in_ones(capsys):
