@@ -51,9 +51,10 @@ class ActivationLedger:
     def _add(self, holding: Holding, tensors: Iterable[torch.Tensor], watch: bool = False) -> None:
         storages = {}
         for tensor in tensors:
-            key = _storage_key(tensor)
+            storage = tensor.untyped_storage()  # one storage object per tensor: a block notes a dozen
+            key = (tensor.device, storage.data_ptr())
             if key not in self._excluded:
-                size = tensor.untyped_storage().nbytes()
+                size = storage.nbytes()
                 if size:
                     storages[key] = size
                     if watch:
@@ -87,8 +88,9 @@ class ActivationLedger:
             if entry[1] == 0:
                 del self._holders[key]
                 self.live -= entry[0]
-        if storages:
-            holding.storages = [pair for pair in holding.storages if pair not in storages]
+        if storages:  # all of them when released (no search), some when a split backward freed them
+            holding.storages = [] if storages is holding.storages else \
+                [pair for pair in holding.storages if pair not in storages]
 
     @contextmanager
     def saving(self, watch: bool = False):

@@ -256,10 +256,9 @@ def encode_pieces(pieces: list) -> bytes:
                     for schema, rows in zip(PIECE, ([(start,)], events, messages, [memory], reductions)))
 
 
-def decode_pieces(data: bytes, count: int, offset: int = 0) -> list:
-    """The `count` trace pieces `encode_pieces` laid out in `data` from `offset` to its end; Malformed
-    if it holds anything else."""
-    pieces = []
+def decode_pieces(data: bytes, count: int) -> list:
+    """The `count` trace pieces `encode_pieces` laid out in `data`; Malformed if it holds anything else."""
+    pieces, offset = [], 0
     for _ in range(count):
         tables = []
         for schema in PIECE:
