@@ -31,7 +31,7 @@ from engine import GPipe
 from engine.device import cpu_cores
 from engine.distributed import wire
 
-from . import overhead, schedule_search
+from . import overhead, replay, schedule_search
 from .breakdown import in_order
 from .host import keep_freed_cpu_memory
 from .models import build_mlp
@@ -235,6 +235,10 @@ def small_rows(small: dict, rounds: int, lanes: dict[str, ProcessPool], half_poo
          "the lane between hosts, here on loopback"),
         ("small model: its two halves at once, a process each, no messages (K=1 each) over K=1",
          ratio(times, 'small halves at once', 'small K=1'), "the host's ceiling for this cut: no lane, no waits"),
+        ("small model: K=2 processes over K=1 if messages and the call's ends were free",
+         ratio({**times, "replayed": replayed(traces["shared memory"][1:], small["chunks"])}, "replayed", "small K=1"),
+         "each step's own traced tasks laid on the schedule (lab.replay): the fill and drain stay, the engine's "
+         "messages, gaps and call ends go"),
         ("small model: K=2 threads over K=1", ratio(times, 'small K=2 threads', 'small K=1'),
          "the interpreter lock: threads of one process barely overlap"),
         ("small model: step at K=1, K=2 threads, K=2 processes (shared memory, gloo)",
@@ -285,6 +289,12 @@ def measure_small(pools: dict[str, ProcessPool], small: dict, rounds: int, half_
     steps["small halves at once"] = halves_at_once(half_pools, small)
     times = measure(steps, x, y, rounds * 3)  # short steps: more rounds for the same confidence
     return times, traces
+
+
+def replayed(traces: list, micro_batches: int) -> list[float]:
+    """Each trace's makespan had its tasks, as long as they measured, started as soon as their stage
+    and input allowed (lab.replay's ideal replay of the GPipe schedule): no message, gap or call end."""
+    return [replay.ideal_replay([vars(e) for e in t.events], t.stages, micro_batches, "never").makespan for t in traces]
 
 
 def halves_at_once(pools: tuple, small: dict) -> Callable:

@@ -19,7 +19,7 @@ def test_quick_benchmark_prints_every_row(capsys):
     rows = [line for line in out.splitlines() if line.startswith("| ") and "---" not in line][1:]
     near_empty = [row for row in rows if "near-empty" in row]
     rows = [row for row in rows if row not in near_empty]
-    assert len(rows) == 26
+    assert len(rows) == 27
     own = [row for row in near_empty if "engine's own time" in row]
     assert {row.split(",")[1].split(":")[0].strip() for row in own} >= {"gpipe-lab engine", "torch.distributed.pipelining ScheduleGPipe"}
     assert len(own) == 3 + peers.torchgpipe_available() and all(" us per call (" in row for row in own)
@@ -33,6 +33,7 @@ def test_quick_benchmark_prints_every_row(capsys):
     assert any("two halves at once" in row for row in rows)
     assert any("speedup K=2 over K=1 at M=32" in row for row in rows)
     assert any("ceiling: both halves" in row for row in rows)
+    assert any("if messages and the call's ends were free" in row for row in rows)
     assert any("bare matrix products" in row for row in rows)
     assert any("K=2 processes over K=1 at M=32" in row for row in rows)
     assert any("small model" in row and "K=2 processes over K=1" in row for row in rows)
