@@ -480,7 +480,7 @@ def main(argv=None) -> None:
     parser.add_argument("--quick", action="store_true", help="small model and batch: a smoke run, not a measurement")
     parser.add_argument("--small", action="store_true", help="only the small model's rows (a minute or two)")
     parser.add_argument("--overhead", action="store_true",
-                        help="only the engine's own time per call, task and message, beside torch's (about 20 s)")
+                        help="only the engine's own time per call, task and message, beside torch's (about a minute)")
     parser.add_argument("--search", action="store_true",
                         help="only a schedule found for a Transformer with unequal stages, beside the built-in "
                              "ones, predicted and measured (about 30 s)")
