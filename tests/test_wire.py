@@ -59,6 +59,11 @@ def test_an_end_says_the_loss_exactly_in_its_dtype_and_the_batch_size(loss):
     assert got is None if loss is None else (got.dtype == loss.dtype and got.shape == () and torch.equal(got, loss))
 
 
+def test_an_end_refuses_a_loss_it_cannot_pass_on_exactly():
+    with pytest.raises(TypeError, match="the loss is a int64 tensor"):
+        encode_end(torch.tensor(3), 24)
+
+
 @pytest.mark.parametrize("data", [b"\x07" * 40, pickle.dumps([Unpickled()]), encode_end(torch.tensor(1.0), 2)[:-1],
                                   wire.pack_table("ifsi", [(1, 0.5, "int64", 2)]),
                                   wire.pack_table("ifsi", [(1, 0.5, "float32", -2)]),

@@ -233,6 +233,8 @@ def encode_end(loss: Optional[torch.Tensor], total: int) -> bytes:
     """What an "end" or "done" message says before its trace pieces: the loss (exactly, as a float64:
     every dtype of LOSS_DTYPES fits in it) and the global batch's size."""
     name = "" if loss is None else str(loss.dtype).removeprefix("torch.")
+    if loss is not None and name not in LOSS_DTYPES:
+        raise TypeError(f"the loss is a {name} tensor; stages as processes pass on a loss of {sorted(LOSS_DTYPES)}")
     return pack_table(END, [(loss is not None, 0.0 if loss is None else loss.item(), name, total)])
 
 
