@@ -112,7 +112,7 @@ def test_a_failing_pipelining_worker_is_reported_promptly_and_nothing_is_left_ru
     try:
         assert len(processes.ask("step", 2)) == 2  # both ranks answer a real step
         start = time.monotonic()
-        with pytest.raises(ValueError, match="unknown command 'jump'; expected 'step', 'grads' or 'ping'"):
+        with pytest.raises(ValueError, match="unknown command 'jump'; expected 'step', 'grads', 'ping' or 'ends'"):
             processes.ask("jump", 2)
         assert time.monotonic() - start < 5
     finally:
