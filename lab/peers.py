@@ -29,8 +29,8 @@ from .loopback import Meeting, join
 from .pool import ProcessPool
 from .stepper import Stepper
 
-BASELINE = "one core, no pipeline"
 T = TypeVar("T")
+BASELINE = "one core, no pipeline"
 RECIPE = "lab.models:build_mlp"   # the workload's model, by name: stage processes build it too
 
 

@@ -12,8 +12,8 @@ import torch
 
 from engine.device import spread
 
-from .children import resolve
 from .call_ends import median_ends
+from .children import resolve
 from .host import keep_freed_cpu_memory
 from .loopback import join
 
