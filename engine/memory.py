@@ -35,7 +35,7 @@ class ActivationLedger:
 
     def __init__(self, parameters: Iterable[torch.Tensor] = ()):
         self._lock = threading.Lock()
-        self._excluded = {_storage_key(p) for p in parameters}
+        self._excluded = {_storage_key(p, p.untyped_storage()) for p in parameters}
         self._holders: dict[tuple, list[int]] = {}  # storage -> [bytes, holdings]
         self._watched: list[Holding] = []
         self.live = 0
@@ -52,7 +52,7 @@ class ActivationLedger:
         storages = {}
         for tensor in tensors:
             storage = tensor.untyped_storage()  # one storage object per tensor: a block notes a dozen
-            key = (tensor.device, storage.data_ptr())
+            key = _storage_key(tensor, storage)
             if key not in self._excluded:
                 size = storage.nbytes()
                 if size:
@@ -112,8 +112,9 @@ class ActivationLedger:
             noted.clear()  # autograd keeps `pack`, and so this list, as long as it keeps what was saved
 
 
-def _storage_key(tensor: torch.Tensor) -> tuple:
-    return tensor.device, tensor.untyped_storage().data_ptr()
+def _storage_key(tensor: torch.Tensor, storage) -> tuple:
+    """Which storage a tensor lives on (`storage`: its untyped storage, taken once by the caller)."""
+    return tensor.device, storage.data_ptr()
 
 
 def _unpack(tensor: torch.Tensor) -> torch.Tensor:
