@@ -48,16 +48,18 @@ class Ends:
             hook.remove()
 
 
-def median_ends(layer: nn.Module, step: Callable[[], object], count: int,
-                before_each: Callable[[], object] = lambda: None) -> tuple[float, float]:
+def median_ends(layer: Optional[nn.Module], step: Callable[[], object], count: int,
+                before_each: Callable[[], object] = lambda: None) -> Optional[tuple[float, float]]:
     """Median seconds before the first layer and after its last gradient over `count` steps
-    (`before_each` runs untimed ahead of each, e.g. zeroing gradients)."""
-    ends = Ends(layer)
+    (`before_each` runs untimed ahead of each, e.g. zeroing gradients). With no `layer` (a process
+    that does not run the first layer) the steps run untimed and None comes back."""
+    ends = Ends(layer) if layer is not None else None
     try:
         times = []
         for _ in range(count):
             before_each()
-            times.append(ends.timed(step))
+            times.append(ends.timed(step) if ends is not None else step())
     finally:
-        ends.close()
-    return statistics.median(t[0] for t in times), statistics.median(t[1] for t in times)
+        if ends is not None:
+            ends.close()
+    return None if ends is None else (statistics.median(t[0] for t in times), statistics.median(t[1] for t in times))

@@ -249,19 +249,14 @@ class PipeliningRank:
         self._step(micro)
         return time.perf_counter() - start
 
-    def _schedule(self, micro: int):
+    def _ready(self, micro: int) -> None:
+        """Before a timed step: its schedule made (once per M), gradients zeroed, both ranks at a barrier."""
+        import torch.distributed as dist
         from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
 
         if micro not in self.schedules:
             stage = PipelineStage(self.part, self.rank, 2, torch.device("cpu"))
             self.schedules[micro] = ScheduleGPipe(stage, n_microbatches=micro, loss_fn=nn.functional.mse_loss)
-        return self.schedules[micro]
-
-    def _ready(self, micro: int) -> None:
-        """Before a timed step: its schedule made, gradients zeroed, both ranks at a barrier."""
-        import torch.distributed as dist
-
-        self._schedule(micro)
         self.part.zero_grad()
         dist.barrier()
 
@@ -274,12 +269,8 @@ class PipeliningRank:
     def ends(self, micro: int, count: int) -> Optional[tuple[float, float]]:
         """`count` steps; on rank 0 (the first layer's) the median seconds before that layer's forward
         and after its last gradient (lab.call_ends), None on rank 1."""
-        if self.rank != 0:
-            for _ in range(count):
-                self._ready(micro)
-                self._step(micro)
-            return None
-        return median_ends(self.part[0], lambda: self._step(micro), count, before_each=lambda: self._ready(micro))
+        return median_ends(self.part[0] if self.rank == 0 else None, lambda: self._step(micro), count,
+                           before_each=lambda: self._ready(micro))
 
     def ping(self, count: int, numel: int) -> float:
         """Seconds a tensor of `numel` float32 takes one way between the two ranks over gloo, the

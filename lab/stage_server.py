@@ -82,14 +82,9 @@ class StageServer:
     def _ends(self, inputs, targets, loss_fn, count: int) -> Optional[tuple[float, float]]:
         """`count` training steps; on the rank that runs the model's first layer, the median seconds
         each spent before that layer's forward and after its last gradient (lab.call_ends), else None."""
-        def step():  # the trace is not read: a step's own time
-            return self.pipe.step(inputs, targets, loss_fn)
-        if 0 not in self.pipe.local_chunks:
-            for _ in range(count):
-                self.pipe.zero_grad()
-                step()
-            return None
-        return median_ends(self.pipe.partitions[0][0], step, count, before_each=self.pipe.zero_grad)
+        first = self.pipe.partitions[0][0] if 0 in self.pipe.local_chunks else None
+        return median_ends(first, lambda: self.pipe.step(inputs, targets, loss_fn), count,  # the trace is not read
+                           before_each=self.pipe.zero_grad)
 
     def _ping(self, count: int, numel: int) -> float:
         """Round trips with the other stage process, through the pipe's transport, as a call of its own."""
