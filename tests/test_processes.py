@@ -193,7 +193,7 @@ def test_faults_under_torchrun_are_raised_on_every_rank_promptly_every_time(tmp_
 
     outputs = {r["rank"]: r["output"] for r in scenarios["forward only"]}
     assert outputs == {0: None, 1: None, 2: [24, 3]}
-    for name, why in (("garbled end", "a table of"), ("pickled end", "a table of"),
+    for name, why in (("garbled end", "a row that says loss"), ("pickled end", "a row that says loss"),
                       ("end of another form", "expected (loss, batch size, trace) as bytes, got a float32 tensor of shape (3,)")):
         [forged] = raised(name, runs=1)
         said = "[rank 1, stage 1] the 'end' message from stage 2 is malformed: "

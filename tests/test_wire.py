@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from engine.distributed import shm_lane, wire
-from engine.distributed.runner import PIECE, decode_end, decode_pieces, encode_end, encode_pieces
+from engine.distributed.runner import END, LOSS_DTYPES, PIECE, decode_end, decode_pieces, encode_end, encode_pieces
 from engine.transport import StageFailed
 from engine.trace import Event
 
@@ -60,14 +60,13 @@ def test_an_end_says_the_loss_exactly_in_its_dtype_and_the_batch_size(loss):
 
 
 def test_an_end_refuses_a_loss_it_cannot_pass_on_exactly():
-    with pytest.raises(TypeError, match="the loss is a int64 tensor"):
+    with pytest.raises(TypeError, match="the loss is a torch.int64 tensor"):
         encode_end(torch.tensor(3), 24)
 
 
 @pytest.mark.parametrize("data", [b"\x07" * 40, pickle.dumps([Unpickled()]), encode_end(torch.tensor(1.0), 2)[:-1],
-                                  wire.pack_table("ifsi", [(1, 0.5, "int64", 2)]),
-                                  wire.pack_table("ifsi", [(1, 0.5, "float32", -2)]),
-                                  wire.pack_table("ifsi", [(1, 0.5, "float32", 2)] * 2)])
+                                  END.pack(1, 0.5, len(LOSS_DTYPES), 2), END.pack(1, 0.5, -1, 2),
+                                  END.pack(1, 0.5, 0, -2), END.pack(2, 0.5, 0, 2)])
 def test_an_end_that_says_anything_else_is_malformed(data):
     with pytest.raises(wire.Malformed):
         decode_end(data)

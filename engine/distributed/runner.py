@@ -9,6 +9,7 @@ everywhere. Ranks send tensors and typed tables (wire.py), never pickle.
 from __future__ import annotations
 
 import os
+import struct
 import time
 from contextlib import contextmanager
 from dataclasses import fields as fields_of
@@ -225,31 +226,29 @@ def _schema(cls) -> str:
 
 
 PIECE = ("f", _schema(Event), _schema(Message), _schema(StageMemory), _schema(Reduction))  # start; tables
-END = "ifsi"  # whether a loss came, its value, its dtype, the global batch's size: one row, before the pieces
-LOSS_DTYPES = {str(t).removeprefix("torch."): t for t in (torch.float32, torch.float64, torch.float16, torch.bfloat16)}
+END = struct.Struct("<qdqq")  # whether a loss came, its value, its dtype (in LOSS_DTYPES), the global batch's size
+LOSS_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)  # each exact as a float64
 
 
 def encode_end(loss: Optional[torch.Tensor], total: int) -> bytes:
-    """What an "end" or "done" message says before its trace pieces: the loss (exactly, as a float64:
-    every dtype of LOSS_DTYPES fits in it) and the global batch's size."""
-    name = "" if loss is None else str(loss.dtype).removeprefix("torch.")
-    if loss is not None and name not in LOSS_DTYPES:
-        raise TypeError(f"the loss is a {name} tensor; stages as processes pass on a loss of {sorted(LOSS_DTYPES)}")
-    return pack_table(END, [(loss is not None, 0.0 if loss is None else loss.item(), name, total)])
+    """What an "end" or "done" message says before its trace pieces, as one fixed row (END, cheap to read on
+    the call's critical path): the loss (exactly, as a float64) and the global batch's size."""
+    if loss is not None and loss.dtype not in LOSS_DTYPES:
+        raise TypeError(f"the loss is a {loss.dtype} tensor; stages as processes pass on a loss of "
+                        f"{', '.join(map(str, LOSS_DTYPES))}")
+    return END.pack(0, 0.0, 0, total) if loss is None else END.pack(1, loss.item(), LOSS_DTYPES.index(loss.dtype), total)
 
 
 def decode_end(data: bytes) -> tuple[Optional[torch.Tensor], int, int]:
     """(loss or None, batch size, offset of the trace pieces) of an "end" or "done" message; Malformed if
     it says anything else."""
-    rows, offset = unpack_table(END, data)
-    if len(rows) != 1:
-        raise Malformed(f"{len(rows)} rows where the loss and batch size were expected")
-    [(has_loss, value, dtype, size)] = rows
-    if has_loss and dtype not in LOSS_DTYPES:
-        raise Malformed(f"a loss of dtype {dtype!r}; expected one of {sorted(LOSS_DTYPES)}")
-    if size < 0:
-        raise Malformed(f"a batch of {size} samples")
-    return (torch.tensor(value, dtype=LOSS_DTYPES[dtype]) if has_loss else None), size, offset
+    if len(data) < END.size:
+        raise Malformed(f"{len(data)} bytes where the loss and batch size take {END.size}")
+    has_loss, value, dtype, size = END.unpack_from(data)
+    if has_loss not in (0, 1) or not 0 <= dtype < len(LOSS_DTYPES) or size < 0:
+        raise Malformed(f"a row that says loss {has_loss}, dtype {dtype}, batch {size}; expected 0 or 1, "
+                        f"0 to {len(LOSS_DTYPES) - 1}, and a batch of 0 or more")
+    return (torch.tensor(value, dtype=LOSS_DTYPES[dtype]) if has_loss else None), size, END.size
 
 
 def encode_pieces(pieces: list) -> bytes:
