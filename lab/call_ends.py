@@ -62,4 +62,9 @@ def median_ends(layer: Optional[nn.Module], step: Callable[[], object], count: i
     finally:
         if ends is not None:
             ends.close()
-    return None if ends is None else (statistics.median(t[0] for t in times), statistics.median(t[1] for t in times))
+    return None if ends is None else median_pair(times)
+
+
+def median_pair(pairs: list[tuple[float, float]]) -> tuple[float, float]:
+    """The median of each side of (before, after) pairs."""
+    return statistics.median(p[0] for p in pairs), statistics.median(p[1] for p in pairs)

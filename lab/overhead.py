@@ -18,18 +18,19 @@ of the engine benchmark's own table.
 from __future__ import annotations
 
 import statistics
-from typing import Optional
+from typing import Callable, Optional, TypeVar
 
 from torch import nn
 
 from engine import GPipe
 
 from . import peers
-from .call_ends import median_ends
+from .call_ends import median_ends, median_pair
 
 NEAR_EMPTY = peers.Workload(width=16, blocks=8, batch=64)
 MICROS = (1, 2, 4, 8, 16, 32, 64)
 STAGES = 2
+T = TypeVar("T")
 LEAN = {"record_memory": False}  # our pipes here keep no activation ledger: torch's and torchgpipe's keep none
 
 
@@ -112,13 +113,8 @@ def message_times(pool, torch_ranks: peers.PipeliningProcesses, work: peers.Work
     (torch's ranks are then up: a turn of ours while they start would be timed beside their imports).
     Threads pass a reference: no message."""
     numel = work.batch // micro * work.width
-    contenders = {"gpipe-lab engine, processes": pool.ping, peers.PipeliningProcesses.name: torch_ranks.ping}
-    for ping in contenders.values():
-        ping(count // 10, numel)
-    turns: dict[str, list[float]] = {name: [] for name in contenders}
-    for _ in range(rounds):
-        for name, ping in contenders.items():
-            turns[name].append(ping(count, numel))
+    turns = alternating({"gpipe-lab engine, processes": lambda n: pool.ping(n, numel),
+                         peers.PipeliningProcesses.name: lambda n: torch_ranks.ping(n, numel)}, count, rounds)
     return {name: statistics.median(seconds) * 1e6 for name, seconds in turns.items()}
 
 
@@ -140,17 +136,24 @@ def call_ends(pool, torch_ranks: peers.PipeliningProcesses, work: peers.Workload
         peer = peers.torchgpipe_peer(work, 1, "never")
         contenders["torchgpipe"] = lambda n: peers.with_threads(
             1, lambda: median_ends(peer.model[0], peer.train, n, before_each=lambda: peer.model.zero_grad(set_to_none=True)))
-    timed: dict[str, list[tuple[float, float]]] = {name: [] for name in contenders}
     try:
-        for ends in contenders.values():
-            ends(max(1, count // 10))
-        for _ in range(turns):
-            for name, ends in contenders.items():
-                timed[name].append(ends(count))
+        timed = alternating(contenders, count, turns)
     finally:
         pipe.close()
-    return {name: (statistics.median(t[0] for t in turns_), statistics.median(t[1] for t in turns_))
-            for name, turns_ in timed.items()}
+    return {name: median_pair(pairs) for name, pairs in timed.items()}
+
+
+def alternating(contenders: dict[str, Callable[[int], T]], count: int, turns: int) -> dict[str, list[T]]:
+    """Each contender's results of `turns` turns of `count` (each contender called with `count`, in turn,
+    round after round), after a short turn each: a process's first turn, or one beside another's
+    start-up (torch's ranks importing), is not timed."""
+    for run in contenders.values():
+        run(max(1, count // 10))
+    results: dict[str, list[T]] = {name: [] for name in contenders}
+    for _ in range(turns):
+        for name, run in contenders.items():
+            results[name].append(run(count))
+    return results
 
 
 def measure(pool, tuned_malloc: bool, rounds: int, count: int = 2000, micros=MICROS) -> list[tuple[str, str, str]]:
