@@ -116,15 +116,15 @@ class RankRunner:
             self.replicas.finish(pending, self.transport.check_failures)
         memory, messages = self.local.memory(rank), self.transport.messages()  # now: both change with the next call
         reductions = [] if pending is None else [(rank, pending.start - t0, pending.end - t0, pending.nbytes)]
-        piece = lambda events: self._piece(events, t0, memory, messages, reductions)
-        loss, total, later = self._end_waves(result if call.training else None, total,
-                                             None if self.ranks.is_first else piece(events()))
+        piece = lambda: self._piece(events(), t0, memory, messages, reductions)
+        sent = None if self.ranks.is_first else piece()  # the first stage's is made only if its trace is read
+        loss, total, later = self._end_waves(result if call.training else None, total, sent)
         if reducing:
             self.replicas.assign(pending, total)
         wall, shape = time.perf_counter() - t0, call_shape(call)  # not the call: it holds the inputs
 
         def trace() -> Trace:  # built when read: a step nobody looks at does not pay for it
-            return self._trace([piece(events())] + self._later_pieces(later), shape, wall)
+            return self._trace([sent or piece()] + self._later_pieces(later), shape, wall)
         if call.training:
             return loss.to(self.local.devices[rank].device), trace
         return result, trace
