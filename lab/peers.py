@@ -179,17 +179,18 @@ class PipeliningProcesses:
 
     def ping(self, count: int, numel: int) -> float:
         """Seconds a message of `numel` float32 takes one way between the two ranks (`PipeliningRank.ping`)."""
-        return self.ranks.ask([("ping", (count, numel))] * 2)[0]
+        return self.ask("ping", (count, numel))[0]
 
     def ends(self, micro: int, count: int) -> tuple[float, float]:
         """Median seconds a step at M=`micro` spends on rank 0 before the first layer and after its
         last gradient, over `count` steps (`PipeliningRank.ends`)."""
-        return self.ranks.ask([("ends", (micro, count))] * 2)[0]
+        return self.ask("ends", (micro, count))[0]
 
-    def ask(self, command: str, micro: int = 0) -> list:
-        """Send `command` to both ranks and return their answers, rank 0 first; a failure in a rank
-        is raised here with its own type, a dead or silent rank after at most the timeout."""
-        return self.ranks.ask([(command, micro)] * 2)
+    def ask(self, command: str, argument: object = 0) -> list:
+        """Send `command` with its `argument` (an M, or a tuple for "ping" and "ends") to both ranks and
+        return their answers, rank 0 first; a failure in a rank is raised here with its own type, a
+        dead or silent rank after at most the timeout."""
+        return self.ranks.ask([(command, argument)] * 2)
 
     def at(self, micro: int) -> "PipeliningAt":
         return PipeliningAt(self, micro)
