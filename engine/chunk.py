@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import threading
 import weakref
-from contextlib import nullcontext
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Optional
@@ -103,6 +102,7 @@ class Chunk:
         for holding in [graph[3] for graph in state.graphs.values()] + [kept for _, kept in state.kept_inputs.values()] \
                 + [held for _, held in state.weight_work.values()]:
             self._release(holding)
+        self.randomness.finish()
         self.state = ChunkState()
         self.call = None
 
@@ -134,27 +134,41 @@ class Chunk:
         keep_graph = (self.index, micro) not in call.recomputed
         noted = [] if keep_graph and call.split_backward else None
         with torch.set_grad_enabled(keep_graph):
-            out, holding = self._layers(x, micro, noted)
-            loss = self._loss(out, micro) if self.is_last else None
+            out, holding = self._graph(x, micro, noted, loss=keep_graph)  # a recomputed one's loss: in R
         if keep_graph:
-            state.graphs[micro] = (x, loss if self.is_last else out, noted, holding)
+            state.graphs[micro] = (x, out, noted, holding)
         else:
             state.kept_inputs[micro] = (x, self.ledger.hold_all(tensors_of(x)) if call.record_memory else None)
         if self.is_last:
-            state.losses[micro] = loss.detach()
             return None
         return self._message("F", micro, detached(out))
 
     def _recompute(self, micro: int, received) -> None:
-        x, kept = self.state.kept_inputs.pop(micro)
-        recomputing = self.batch_norm.recomputing() if self.batch_norm is not None else nullcontext()
+        x, kept = self.state.kept_inputs[micro]
         noted = [] if self.call.split_backward else None
-        with torch.enable_grad(), recomputing:
-            out, holding = self._layers(x, micro, noted)
-            if self.is_last:
-                out = self._loss(out, micro)
+        with torch.enable_grad():
+            if self.batch_norm is None:
+                out, holding = self._graph(x, micro, noted)
+            else:
+                with self.batch_norm.recomputing():
+                    out, holding = self._graph(x, micro, noted)
         self.state.graphs[micro] = (x, out, noted, holding)
+        del self.state.kept_inputs[micro]
         self._release(kept)  # the recomputed graph now holds what it needs of the input
+
+    def _graph(self, x: Value, micro: int, noted: Optional[list], loss: bool = True):
+        """The layers on one micro-batch and, on the last chunk (if `loss`), the loss, noted as the
+        micro-batch's. Returns (the output or loss, what the ledger holds), released on a failure."""
+        out, holding = self._layers(x, micro, noted)
+        if not (self.is_last and loss):
+            return out, holding
+        try:
+            out = self._loss(out, micro)
+        except BaseException:
+            self._release(holding)
+            raise
+        self.state.losses[micro] = out.detach()
+        return out, holding
 
     def _backward(self, micro: int, received):
         x, out, noted, holding = self.state.graphs.pop(micro)
@@ -218,18 +232,26 @@ class Chunk:
             self.batch_norm.micro = micro
         counting = self.call.record_memory and torch.is_grad_enabled()
 
+        randomness, key = self.randomness, micro + self.call.micro_offset
+        quiet = randomness.quiet  # layers known to draw nothing: called as they are, at no cost
+
         def each_layer(x: Value) -> Value:
             for layer_id, layer, has_bn in zip(self.layer_ids, self.partition, self._has_batch_norm):
-                with self.batch_norm if has_bn else nullcontext():
-                    x = self.randomness.run(layer_id, layer, x, micro + self.call.micro_offset)
+                if has_bn:
+                    with self.batch_norm:
+                        x = randomness.run(layer_id, layer, x, key)
+                else:
+                    x = layer(x) if layer_id in quiet else randomness.run(layer_id, layer, x, key)
             return x
 
         self._capture = None if noted is None else (threading.get_ident(), noted)
         try:
-            with self.ledger.saving(watch=noted is not None) if counting else nullcontext() as holding, \
-                    self.partition.running(each_layer) as partition:
-                out = partition(x)  # through nn.Module.__call__, so hooks on the partition run
-            return out, holding
+            with self.partition.running(each_layer) as partition:
+                if not counting:
+                    return partition(x), None  # through nn.Module.__call__, so hooks on the partition run
+                with self.ledger.saving(watch=noted is not None) as holding:
+                    out = partition(x)
+                return out, holding
         finally:
             self._capture = None
 

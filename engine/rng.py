@@ -2,10 +2,16 @@
 
 PyTorch's default CPU generator is one per process and shared by every thread, so stage workers
 that draw dropout masks from it race each other, and saving/restoring its state around a
-recompute races the same way. Instead, while a stage runs a layer, a thread-local dispatch mode
-hands every random op a private generator seeded from (seed, step, layer, micro-batch). The masks
-then depend on neither the partition nor thread timing: forward and recompute draw the same bits,
-and K = 1, 2, 3, 4 draw the same bits.
+recompute races the same way. Instead, while a stage runs a layer, its random ops draw from a
+private generator seeded from (seed, step, layer, micro-batch). The masks then depend on neither
+the partition nor thread timing: forward and recompute draw the same bits, and K = 1, 2, 3, 4 draw
+the same bits.
+
+Two ways in, by cost. An nn.Dropout (the common case) draws its mask itself: for the length of a
+call its `forward` is one that passes the stream's generator to the very ops ATen's dropout runs,
+so a dropout costs no more Python calls than torch's own. Anything else that draws (the other
+dropout-like modules, a custom layer seen drawing) runs under a thread-local dispatch mode that
+hands every random op the generator, at a Python call per op.
 
 Without a user seed, each call's base seed is drawn from torch's own generator, so
 `torch.manual_seed` still makes a whole run reproducible.
@@ -13,6 +19,7 @@ Without a user seed, each call's base seed is drawn from torch's own generator, 
 from __future__ import annotations
 
 import threading
+import types
 import weakref
 from typing import Callable, Optional, Sequence
 
@@ -37,29 +44,39 @@ def mix_seed(*parts: int) -> int:
 
 
 _RANDOM_MODULES = (nn.modules.dropout._DropoutNd, nn.RReLU, nn.MultiheadAttention)
+_running = threading.local()  # .randomness: the StageRandomness whose layer this thread is running
+
+
+def _streams_itself(module: nn.Module) -> bool:
+    """Whether `module` draws through _streamed_dropout: nn.Dropout's own forward, not overridden."""
+    return type(module).forward is nn.Dropout.forward
 
 
 class StageRandomness(TorchDispatchMode):
     """Dispatch mode giving each (layer, micro-batch) its own seeded generator on the stage's thread.
 
-    The mode costs a Python call per tensor op, so it is switched on only where random numbers
-    are drawn: around each dropout-like submodule (by forward hooks that act only on this stage's
-    worker thread), and around any other layer seen drawing random numbers on a training-mode call.
-    (A custom layer that draws nothing on its first training call but does later is not caught;
-    draw through a dropout-like module instead.)
+    nn.Dropout modules draw through `_streamed_dropout`, installed for the length of a call. The
+    mode costs a Python call per tensor op, so it is switched on only where other random numbers
+    are drawn: around each other dropout-like submodule (by forward hooks that act only on this
+    stage's worker thread), and around any other layer seen drawing random numbers on a
+    training-mode call. (A custom layer that draws nothing on its first training call but does
+    later is not caught; draw through a dropout-like module instead.)
     """
 
     def __init__(self, layers: Sequence[tuple[int, nn.Module]]):
         super().__init__()
         self.base_seed = 0
-        # per layer: "hooked" (its dropout-like submodules switch the mode on), None (not known
+        # per layer: "modules" (its dropout-like submodules draw from the stream), None (not known
         # yet: run it under the mode and watch), True (draws: run it under the mode), False (never)
         self._kind: dict[int, object] = {}
+        self._dropouts: list[nn.Module] = []  # nn.Dropout modules: _streamed_dropout while a call runs
+        self.quiet: set[int] = set()  # layers known to draw nothing (kind False): callers may run them as they are
         handles, me = [], weakref.ref(self)
         for layer_id, layer in layers:
             random_parts = [m for m in layer.modules() if isinstance(m, _RANDOM_MODULES)]
-            self._kind[layer_id] = "hooked" if random_parts else None
-            for part in random_parts:
+            self._kind[layer_id] = "modules" if random_parts else None
+            self._dropouts += [m for m in random_parts if _streams_itself(m)]
+            for part in (m for m in random_parts if not _streams_itself(m)):
                 handles.append(part.register_forward_pre_hook(lambda *_: _hook(me, entering=True)))
                 handles.append(part.register_forward_hook(lambda *_: _hook(me, entering=False)))
         remove_when_gone(self, handles)
@@ -71,8 +88,16 @@ class StageRandomness(TorchDispatchMode):
         self._drew = False
 
     def start(self, base_seed: int) -> None:
-        """Begin a call whose random streams derive from `base_seed`."""
+        """Begin a call whose random streams derive from `base_seed`: its nn.Dropout modules draw
+        from them until `finish` (any other caller of them still gets torch's own dropout)."""
         self.base_seed = base_seed
+        for module in self._dropouts:  # the instance's own forward, found before the class's
+            module.__dict__["forward"] = types.MethodType(_streamed_dropout, module)
+
+    def finish(self) -> None:
+        """End the call: the nn.Dropout modules are torch's own again."""
+        for module in self._dropouts:
+            module.__dict__.pop("forward", None)
 
     def run(self, layer_id: int, layer: nn.Module, x, micro: int):
         """Run `layer` on micro-batch `micro`, its random ops drawing from the stream of (layer, micro)."""
@@ -82,18 +107,21 @@ class StageRandomness(TorchDispatchMode):
         self._key, self._drew = (layer_id, micro), False
         self._seeded.clear()
         self._thread = threading.get_ident()
+        _running.randomness = self
         try:
-            if kind == "hooked":
+            if kind == "modules":
                 return layer(x)
             self._switch(on=True)
             out = layer(x)
             if kind is None and (self._drew or layer.training):
                 self._kind[layer_id] = self._drew
+                if not self._drew:
+                    self.quiet.add(layer_id)
             return out
         finally:
             while self._depth:  # also after an exception, when a forward hook never ran
                 self._switch(on=False)
-            self._thread = None
+            self._thread = _running.randomness = None
 
     def _switch(self, on: bool) -> None:
         if on:
@@ -126,6 +154,24 @@ class StageRandomness(TorchDispatchMode):
         if handler is None:
             return func(*args, **kwargs)
         return handler(self, func, args, kwargs)
+
+
+def _streamed_dropout(module: nn.Dropout, x: torch.Tensor) -> torch.Tensor:
+    """nn.Dropout's forward drawing its mask from the running stage's stream: the ops (and so the
+    bits) of ATen's dropout, given the generator. Outside a stage's layer it is torch's own."""
+    randomness = getattr(_running, "randomness", None)
+    p = module.p
+    if randomness is None or not module.training or p in (0, 1) or x.numel() == 0:
+        return nn.Dropout.forward(module, x)  # no draw, or not a stage's: the same as torch's
+    generator = randomness.generator(x.device)
+    if not module.inplace and x.device.type in _FUSED_DROPOUT:  # ATen's native_dropout: a bool mask
+        mask = torch.empty_like(x, dtype=torch.bool).bernoulli_(1 - p, generator=generator)
+        return x * mask * (1.0 / (1.0 - p))
+    noise = torch.empty_like(x).bernoulli_(1 - p, generator=generator).div_(1 - p)
+    return x.mul_(noise) if module.inplace else x * noise
+
+
+_FUSED_DROPOUT = ("cuda", "xpu", "lazy", "privateuseone")  # where ATen's dropout is native_dropout
 
 
 def _hook(randomness: weakref.ref, entering: bool) -> None:

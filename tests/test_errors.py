@@ -154,8 +154,8 @@ def test_failure_in_backward_and_in_loss_keep_their_types(batch):
     def bad_loss(out, target):
         raise KeyError("no such loss")
 
-    with pytest.raises(KeyError, match=r"stage 2, micro-batch 0, forward"):
-        pipe.step(x, y, bad_loss)
+    with pytest.raises(KeyError, match=r"stage 2, micro-batch 3, forward"):  # the first loss: F3's (the
+        pipe.step(x, y, bad_loss)                                              # others' come with their R)
     with pytest.raises(TypeError, match="loss_fn must return a scalar tensor"):
         pipe.step(x, y, lambda out, target: out)
 
@@ -193,3 +193,14 @@ def test_failure_in_forward_only_call(batch):
     pipe = GPipe(wrong_width_model(), 3, chunks=2)
     with pytest.raises(RuntimeError, match=r"stage 2, micro-batch 0, forward"):
         pipe(x)
+
+
+@pytest.mark.parametrize("checkpoint", ["always", "never"])
+def test_a_failing_loss_leaves_nothing_held(batch, checkpoint):
+    x, y = batch
+    pipe = GPipe(mlp(), 2, chunks=4, checkpoint=checkpoint)  # "always": the loss comes with R, after its graph
+    task = "recompute" if checkpoint == "always" else "forward"
+    with pytest.raises(ZeroDivisionError, match=rf"stage 1, micro-batch \d, {task}"):
+        pipe.step(x, y, lambda out, target: 1 / 0)
+    assert all(chunk.ledger.live == 0 for chunk in pipe._local.chunks.values())
+    assert pipe.step(x, y, LOSS).item() > 0

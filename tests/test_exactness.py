@@ -244,18 +244,46 @@ def test_dropout_nested_inside_blocks_is_bitwise_for_every_partition(batch):
 def test_randomness_hooks_are_inert_outside_the_pipe_and_go_with_it(batch):
     x, y = batch
     import gc
+
+    class OwnDropout(nn.Dropout):  # a forward of its own: drawn through the dispatch mode, by hooks
+        def forward(self, t):
+            return super().forward(t)
     model = nested_dropout_model()
+    model[1][1][0] = OwnDropout(0.5)
     pipe = GPipe(model, 2, chunks=2, seed=0)
+    seen = []
+    plain, own = model[0][1][0], model[1][1][0]
+    plain.register_forward_hook(lambda module, args, out: seen.append("forward" in vars(module)))
     pipe.step(x, y, LOSS)
-    dropout = model[0][1][0]
-    assert len(dropout._forward_pre_hooks) == 1
+    assert seen and all(seen)  # inside the call nn.Dropout draws from the stage's stream itself
+    assert "forward" not in vars(plain) and len(own._forward_pre_hooks) == 1  # outside it, torch's own
     torch.manual_seed(9)
     direct = model(x)  # the caller's own forward uses torch's RNG as usual
     torch.manual_seed(9)
     assert torch.equal(direct, model(x))
     del pipe
     gc.collect()
-    assert len(dropout._forward_pre_hooks) == 0 and len(dropout._forward_hooks) == 0
+    assert len(own._forward_pre_hooks) == 0 and len(own._forward_hooks) == 0
+
+
+@pytest.mark.parametrize("inplace", [False, True])
+def test_dropout_drawing_itself_draws_the_dispatch_modes_bits(batch, inplace):
+    class OwnDropout(nn.Dropout):  # the same dropout, drawn through the dispatch mode instead
+        def forward(self, t):
+            return super().forward(t)
+
+    def model(kind):
+        def make():
+            torch.manual_seed(0)
+            return nn.Sequential(nn.Sequential(nn.Linear(16, 16), kind(0.3, inplace=inplace), nn.ReLU()),
+                                 nn.Linear(16, 16), kind(0.5), nn.Linear(16, 3))
+        return make
+    x, y = batch
+    for checkpoint in ("always", "never"):
+        streamed, losses, _ = pipelined_grads(model(nn.Dropout), x, y, 2, seed=7, checkpoint=checkpoint)
+        moded, mode_losses, _ = pipelined_grads(model(OwnDropout), x, y, 2, seed=7, checkpoint=checkpoint)
+        assert_bitwise(streamed, moded)
+        assert torch.equal(torch.stack(losses), torch.stack(mode_losses))
 
 
 def test_custom_random_layer_is_detected_and_reproducible(batch):
