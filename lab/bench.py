@@ -6,6 +6,7 @@
     python -m lab.bench --small    # only the small model's rows
     python -m lab.bench --overhead # only the engine's own time on a near-empty model (lab/overhead.py)
     python -m lab.bench --search   # only a found schedule beside GPipe, 1F1B, ZB-H1, ZB-V (lab/schedule_search.py)
+    python -m lab.bench --host-time  # only the host's share of a task, engine beside plain PyTorch (lab/host_time.py)
 
 Every configuration is timed once per round, round after round, so that a noisy host slows all
 of them alike. Rates are medians over the rounds; a ratio is the median of the per-round ratios.
@@ -31,7 +32,7 @@ from engine import GPipe
 from engine.device import cpu_cores
 from engine.distributed import wire
 
-from . import overhead, replay, schedule_search
+from . import host_time, overhead, replay, schedule_search
 from .breakdown import in_order
 from .host import keep_freed_cpu_memory
 from .models import build_mlp
@@ -52,8 +53,11 @@ def plain_step(model: nn.Sequential, threads: int) -> Callable[[torch.Tensor, to
     return step
 
 
+LEAN = {"record_memory": False}  # timed pipes keep no activation ledger unless a row measures it
+
+
 def engine_step(model: nn.Sequential, stages: int, chunks: int, threads: int, **options):
-    pipe = GPipe(model, stages, chunks=chunks, threads_per_stage=threads, **options)
+    pipe = GPipe(model, stages, chunks=chunks, threads_per_stage=threads, **{**LEAN, **options})
     loss_fn = nn.MSELoss()
     return lambda x, y: pipe.step(x, y, loss_fn)
 
@@ -61,7 +65,7 @@ def engine_step(model: nn.Sequential, stages: int, chunks: int, threads: int, **
 def process_step(pool: ProcessPool, width: int, layers: int, chunks: int, **options):
     """The pipeline with one process per stage (a local pool): its step returns the step's seconds
     as the first stage's process measured them, without this process's hand-over to the pool."""
-    pool.build("lab.models:build", dict(name="mlp", blocks=layers, width=width), chunks=chunks, **options)
+    pool.build("lab.models:build", dict(name="mlp", blocks=layers, width=width), chunks=chunks, **{**LEAN, **options})
     loss_fn = nn.functional.mse_loss
 
     def step(x, y):
@@ -106,8 +110,8 @@ def independent_halves(model: nn.Sequential, width: int, chunks: int, checkpoint
     same work as the two stages of a K=2 pipeline (the second half's input gradient included) but
     with no data passing between them."""
     half = len(model) // 2
-    pipes = [GPipe(nn.Sequential(*list(model)[:half]), 1, chunks=chunks, threads_per_stage=1, checkpoint=checkpoint),
-             GPipe(nn.Sequential(*list(model)[half:]), 1, chunks=chunks, threads_per_stage=1, checkpoint=checkpoint)]
+    pipes = [GPipe(nn.Sequential(*part), 1, chunks=chunks, threads_per_stage=1, checkpoint=checkpoint, **LEAN)
+             for part in (list(model)[:half], list(model)[half:])]
     loss_fn = nn.MSELoss()
 
     def step(x, y):
@@ -160,7 +164,7 @@ def run(width: int, layers: int, batch: int, rounds: int, checkpoint: str, small
         "ceiling": independent_halves(model, width, 32, checkpoint),
         "matmuls 1 thread": bare_matmuls(width, layers, batch, 32, 1),
         "matmuls 2 threads": bare_matmuls(width, layers, batch, 32, 2),
-        "K=2 M=32 no ledger": engine_step(model, 2, 32, 1, checkpoint=checkpoint, record_memory=False),
+        "K=2 M=32 with ledger": engine_step(model, 2, 32, 1, checkpoint=checkpoint, record_memory=True),
         "plain PyTorch": plain_step(model, cores),
         "dropout seed=None": engine_step(dropout_model, 2, 32, 1, checkpoint=checkpoint),
         "dropout seed=0": engine_step(dropout_model, 2, 32, 1, checkpoint=checkpoint, seed=0),
@@ -188,7 +192,7 @@ def run(width: int, layers: int, batch: int, rounds: int, checkpoint: str, small
         ("K=2, M=32 over the best single stage", ratio(times, 'K=2 M=32', best), "reported"),
         (f"K=1, M=1 engine step vs plain PyTorch, {cores} threads",
          ratio(times, f'K=1 M=1 {cores} thread(s)', 'plain PyTorch', digits=3), "within 5% (0.95x to 1.05x)"),
-        ("memory ledger on vs off (K=2, M=32)", ratio(times, 'K=2 M=32', 'K=2 M=32 no ledger', digits=3),
+        ("memory ledger on vs off (K=2, M=32)", ratio(times, 'K=2 M=32 with ledger', 'K=2 M=32', digits=3),
          "cost of tracing memory (1.0 = free)"),
         ("seed=0 vs seed=None (with dropout, K=2, M=32)", ratio(times, 'dropout seed=0', 'dropout seed=None', digits=3),
          "cost of seed= (1.0 = free)"),
@@ -304,7 +308,7 @@ def halves_at_once(pools: tuple, small: dict) -> Callable:
     width, layers, chunks = small["width"], small["layers"], small["chunks"]
     for pool in pools:
         pool.build("lab.models:build", dict(name="mlp", blocks=layers // 2, width=width), chunks=chunks,
-                   checkpoint="never", threads_per_stage=1)
+                   checkpoint="never", threads_per_stage=1, **LEAN)
     loss_fn = nn.functional.mse_loss
 
     def step(x, y):
@@ -458,7 +462,7 @@ def overhead_rows(pool: ProcessPool, tuned: bool, rounds: int, count: int, micro
     goes in stage processes (call_parts over traced steps, after a warm-up step)."""
     rows = overhead.measure(pool, tuned, rounds, count, micros)
     work = overhead.NEAR_EMPTY
-    step = process_step(pool, work.width, work.blocks, 1, checkpoint="never", threads_per_stage=1, **overhead.LEAN)
+    step = process_step(pool, work.width, work.blocks, 1, checkpoint="never", threads_per_stage=1)
     x, y = work.data()
     traces, seconds = [], []
     for _ in range(1 + 3 * rounds):
@@ -484,6 +488,9 @@ def main(argv=None) -> None:
     parser.add_argument("--search", action="store_true",
                         help="only a schedule found for a Transformer with unequal stages, beside the built-in "
                              "ones, predicted and measured (about 30 s)")
+    parser.add_argument("--host-time", action="store_true",
+                        help="only Python calls, ATen operators and microseconds per task of a Transformer stage, "
+                             "beside plain PyTorch's (about 20 s)")
     parser.add_argument("--rounds", type=int, default=7, help="timed rounds per configuration (medians are shown)")
     parser.add_argument("--checkpoint", default="except_last", choices=["always", "except_last", "never"])
     parser.add_argument("--default-malloc", action="store_true",
@@ -494,6 +501,11 @@ def main(argv=None) -> None:
     width, layers, batch = (64, 4, 128) if args.quick else (1024, 8, 2048)
     small = dict(width=32, layers=4, batch=16, chunks=4, repeats=100) if args.quick else SMALL
     rounds = 1 if args.quick else args.rounds
+    widths = (16,) if args.quick else (16, 64)
+    if args.host_time:  # this process and a stage process of its own: none of the pools below
+        print(f"# the host's share of a task: {rounds} round(s); counts are the same on every host")
+        print(format_table(host_time.rows(widths, rounds)))
+        return
     if args.search:  # threads of this process: none of the pools below
         print(f"# a found schedule beside the built-in ones: {rounds} round(s), one step of each in turn")
         print(format_table(schedule_search.race(rounds=rounds)))
@@ -518,7 +530,8 @@ def main(argv=None) -> None:
             print(format_table(small_rows(small, rounds, lanes, halves)))
         else:
             table = run(width, layers, batch, rounds, args.checkpoint, small, lanes, halves)
-            print(format_table(table + overhead_rows(pool, tuned, rounds, count, micros)))
+            table += overhead_rows(pool, tuned, rounds, count, micros) + host_time.rows(widths, rounds)
+            print(format_table(table))
 
 
 if __name__ == "__main__":

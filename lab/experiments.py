@@ -169,8 +169,9 @@ def pipe_options(config: RunConfig) -> dict:
 
 
 def pipeline(config: RunConfig, model: nn.Sequential, balance: list[int]) -> GPipe:
-    """The engine pipeline of a configuration, its stages as threads of this process."""
-    return GPipe(model, balance, devices=devices_for(config), **pipe_options(config))
+    """The engine pipeline of a configuration, its stages as threads of this process, for timing
+    its tasks: it keeps no activation ledger (whose bookkeeping would be in their times)."""
+    return GPipe(model, balance, devices=devices_for(config), **pipe_options(config), record_memory=False)
 
 
 def run(config: RunConfig, on_event: Optional[Callable] = None, replay: Union[bool, str] = False,
@@ -179,7 +180,8 @@ def run(config: RunConfig, on_event: Optional[Callable] = None, replay: Union[bo
     """Build the configuration, run `warmup` unrecorded steps, then `rounds` measured steps, with
     the stages as threads of this process or, with `transport="processes"`, as the lab's shared
     stage processes (lab/processes.py; `on_wait` is called if another run holds them). The record
-    shows the median step (by time), and keeps every round's figures for their spread.
+    shows the median step (by time), and keeps every round's figures for their spread. Its memory
+    is the first step's, the only one that keeps the activation ledger: timed steps keep none.
 
     With `baseline=True` each round also times one step of K=1 at the same M in this process (one
     stage on one thread, `baseline_of`), K and K=1 interleaved step by step as the benchmark does,
@@ -209,14 +211,18 @@ def run(config: RunConfig, on_event: Optional[Callable] = None, replay: Union[bo
     single = baseline_of(config)
     with stepper_for(config, balance, model, on_wait) as pipe, \
             (stepper_for(single, [config.layers]) if baseline else nullcontext()) as single_pipe:
+        memory = None  # the first step's: it alone keeps the activation ledger, the timed steps none
         for number in range(warmup):
-            pipe.step(inputs, targets, loss_fn, on_event if number == 0 else None)
+            step = pipe.step(inputs, targets, loss_fn, on_event if number == 0 else None, record_memory=number == 0)
+            memory = memory or step[1].memory
             if single_pipe is not None:
-                single_pipe.step(inputs, targets, loss_fn)
+                single_pipe.step(inputs, targets, loss_fn, record_memory=False)
         measured = []
         for _ in range(rounds):
-            loss, trace, wall = pipe.step(inputs, targets, loss_fn)
-            measured.append((trace, loss, wall, single_pipe.step(inputs, targets, loss_fn)[1] if single_pipe else None))
+            loss, trace, wall = pipe.step(inputs, targets, loss_fn, record_memory=memory is None)
+            memory = memory or trace.memory
+            measured.append((trace, loss, wall, single_pipe.step(inputs, targets, loss_fn, record_memory=False)[1]
+                             if single_pipe else None))
     trace, loss, wall, _ = sorted(measured, key=lambda m: m[0].makespan)[len(measured) // 2]
     singles = sorted((m[3] for m in measured if m[3] is not None), key=lambda t: t.makespan)
     if replayed:  # one model at a time (a GPU sized for one has no room for two): the serial run builds its own
@@ -229,7 +235,7 @@ def run(config: RunConfig, on_event: Optional[Callable] = None, replay: Union[bo
     crossed, how = _boundary_traffic(config, trace, per_sample, balance)
     return RunRecord(
         config=asdict(config), balance=list(balance), kind="measured", events=trace.to_records(),
-        memory=[dict(asdict(m), predicted_activation_bytes=p) for m, p in zip(trace.memory, predicted)],
+        memory=[dict(asdict(m), predicted_activation_bytes=p) for m, p in zip(memory, predicted)],
         makespan=trace.makespan, bubble=trace.bubble, samples_per_second=trace.samples_per_second,
         loss=loss, wall=wall, host=host.describe(), solo_events=solo, notes=_notes(config, inputs),
         messages=[asdict(m) for m in trace.messages], boundary_bytes=crossed, boundary_how=how,

@@ -303,13 +303,13 @@ def race(work: Workload, micros: list[int], rounds: int, progress: Optional[Call
     contenders take turns, `burst(M)` steps each per round (a round's time is their median: a
     process's first steps after its pause between turns run slow, up to 1.6x for a step of a
     millisecond on this host), after an untimed warm-up round; `engine_options` go to our
-    engine's pipes (e.g. record_memory=False, where the peers keep no ledger). Every
+    engine's pipes, which keep no activation ledger unless they say so (the peers keep none). Every
     process in the race, the peer's two included, gets the same malloc tuning (see
     lab.host.keep_freed_cpu_memory). `pipelining`: the peer's ranks, if already started for `work`
     (closed at the end either way)."""
     tuned_malloc = keep_freed_cpu_memory()
     reference = unpipelined_gradients(work.model(), *work.data(), nn.functional.mse_loss)
-    options = engine_options or {}
+    options = {"record_memory": False, **(engine_options or {})}
     builders = [single_device, functools.partial(ours, **options)] + ([torchgpipe_peer] if torchgpipe_available() else [])
     pipelining = pipelining or PipeliningProcesses(work, tuned_malloc)
     pool = None

@@ -103,13 +103,15 @@ class ProcessPool:
         self._ask([("build", spec)] * self.stages)
         self.built = True
 
-    def step(self, inputs, targets, loss_fn: Callable, on_event: Optional[Callable] = None):
+    def step(self, inputs, targets, loss_fn: Callable, on_event: Optional[Callable] = None,
+             record_memory: Optional[bool] = None):
         """One training step (gradients zeroed first); returns the loss, and sets `trace` and `seconds`
-        (as rank 0 timed it). `on_event` is called here, live, with each task's event."""
+        (as rank 0 timed it). `on_event` is called here, live, with each task's event. `record_memory`
+        sets the pipe's ledger on or off from this step on (None: as it is)."""
         self._require_built()
         name_of(loss_fn)
         live = on_event is not None
-        commands = [("step", (inputs if rank == 0 else None, targets, loss_fn, live))  # targets: where the last
+        commands = [("step", (inputs if rank == 0 else None, targets, loss_fn, live, record_memory))  # targets: where the last
                     for rank in range(self.stages)]                                  # chunk is (rank 0 in a V)
         answers = self._ask(commands, on_note=_live_events(on_event) if live else None)
         self.trace = answers[0][1]

@@ -66,7 +66,9 @@ class StageServer:
                     "process groups": len(dist.distributed_c10d._world.pg_map)}
         raise ValueError(f"unknown command {what!r}")
 
-    def _step(self, inputs, targets, loss_fn, live: bool):
+    def _step(self, inputs, targets, loss_fn, live: bool, record_memory: Optional[bool]):
+        if record_memory is not None:  # read per call: a timed step keeps no ledger
+            self.pipe.record_memory = record_memory
         if self.optimizer is not None:
             self.optimizer.zero_grad()
         else:

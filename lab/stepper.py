@@ -41,12 +41,18 @@ class Stepper:
             kind, settings = optimizer
             self.optimizer = resolve(kind.replace("torch.optim.", "torch.optim:"))(self.pipe.parameters(), **settings)
 
-    def step(self, inputs, targets, loss_fn: Callable, on_event: Optional[Callable] = None) -> tuple[float, Trace, float]:
+    def step(self, inputs, targets, loss_fn: Callable, on_event: Optional[Callable] = None,
+             record_memory: Optional[bool] = None) -> tuple[float, Trace, float]:
         """One training step: (its mini-batch loss, its trace, its seconds: timed around the pipe's
-        step here, by the first stage's process there). `on_event` sees each task as it ends."""
+        step here, by the first stage's process there). `on_event` sees each task as it ends.
+        `record_memory` sets the ledger on or off from this step on (None: as built): a timed step
+        passes False, so that the ledger's bookkeeping (a Python call per tensor autograd saves)
+        stays out of its time; its activation peaks then read 0."""
         if self.pool is not None:
-            loss = self.pool.step(inputs, targets, loss_fn, on_event=on_event).item()
+            loss = self.pool.step(inputs, targets, loss_fn, on_event=on_event, record_memory=record_memory).item()
             return loss, self.pool.trace, self.pool.seconds
+        if record_memory is not None:
+            self.pipe.record_memory = record_memory
         self.pipe.zero_grad(set_to_none=True)
         start = time.perf_counter()
         loss = self.pipe.step(inputs, targets, loss_fn, on_event=on_event).item()

@@ -18,8 +18,10 @@ def test_quick_benchmark_prints_every_row(capsys):
     out = capsys.readouterr().out
     rows = [line for line in out.splitlines() if line.startswith("| ") and "---" not in line][1:]
     near_empty = [row for row in rows if "near-empty" in row]
-    rows = [row for row in rows if row not in near_empty]
+    host = [row for row in rows if "host time per task" in row]
+    rows = [row for row in rows if row not in near_empty + host]
     assert len(rows) == 27
+    assert len(host) == 6 and sum("threads:" in row for row in host) == sum("processes:" in row for row in host) == 3
     own = [row for row in near_empty if "engine's own time" in row]
     assert {row.split(",")[1].split(":")[0].strip() for row in own} >= {"gpipe-lab engine", "torch.distributed.pipelining ScheduleGPipe"}
     assert len(own) == 3 + peers.torchgpipe_available() and all(" us per call (" in row for row in own)
