@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import time
 from contextlib import ExitStack
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 from torch import nn
@@ -97,6 +97,41 @@ def check_device(device, index: int) -> torch.device:
     return resolved
 
 
+class Gate:
+    """Holds a stage's stream behind a spin kernel while the host issues one task (a serial run), so
+    that the task's kernels run back to back once it opens and its events time the GPU's work alone,
+    not the host's pace. `spin(cycles)` queues the spin kernel, `cycles_per_second()` says how fast it
+    counts (asked once). The spin lasts twice the longest host time seen so far (at least `floor`
+    seconds, at most `ceiling`); a task whose spin ended before the host had issued it is `missed`."""
+
+    def __init__(self, spin: Callable[[int], None], cycles_per_second: Callable[[], float],
+                 floor: float = 2e-4, ceiling: float = 0.5):
+        self._spin, self._rate, self._ceiling = spin, cycles_per_second, ceiling
+        self.seconds, self.rate, self.missed = floor, None, 0
+
+    def hold(self) -> None:
+        """Queue the spin on the current stream: what is issued next waits behind it."""
+        if self.rate is None:
+            self.rate = self._rate()
+        self._spin(int(self.seconds * self.rate))
+
+    def opened(self, before_issued: bool, host_seconds: float) -> None:
+        """After a task: whether the spin had ended before its last launch, and the host's time for it."""
+        self.missed += before_issued
+        self.seconds = min(self._ceiling, max(self.seconds, 2 * host_seconds))
+
+
+def spin_rate(device: torch.device) -> float:
+    """Cycles per second of torch.cuda._sleep on `device`, timed once by events on its current stream."""
+    with torch.cuda.device(device):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        torch.cuda._sleep(10 ** 7)
+        end.record()
+        end.synchronize()
+        return 1e7 / (start.elapsed_time(end) / 1e3)
+
+
 class StageDevice:
     """The device side of one stage: thread setup, task timing, and moving values to other stages."""
 
@@ -105,6 +140,7 @@ class StageDevice:
         self.threads = threads
         self.is_cuda = device.type == "cuda"
         self.stream = torch.cuda.Stream(device) if self.is_cuda else None
+        self.gate = Gate(torch.cuda._sleep, lambda: spin_rate(device)) if self.is_cuda else None
         self._edges: dict[torch.device, "torch.cuda.Stream"] = {}  # destination GPU -> its stream for this edge
         self._origin = None
         self._t0 = 0.0
@@ -195,10 +231,18 @@ class StageDevice:
                     t.record_stream(self.stream)
         return value
 
-    def settle(self) -> None:
+    def hold(self) -> None:
+        """Before a task of a serial run: on CUDA, hold the stream behind the gate's spin (Gate)."""
+        if self.gate is not None:
+            self.gate.hold()
+
+    def settle(self, start=None, end=None) -> None:
         """Wait until this stage's queued GPU work has run (nothing to wait for on CPU): a serial run
-        settles after each task, so that every task is timed alone."""
+        settles after each task, so that every task is timed alone. Given the task's marks (a serial
+        run's, after `hold`), first tell the gate whether it held until the host had issued the task."""
         if self.is_cuda:
+            if start is not None and self.gate is not None:
+                self.gate.opened(start[0].query(), end[1] - start[1])
             self.stream.synchronize()
 
     def peak_bytes(self) -> Optional[int]:

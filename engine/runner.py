@@ -62,11 +62,13 @@ def run_tasks(local: LocalStages, work: Iterable[tuple[int, Task]], transport,
             chunk = local.chunks[task.chunk]
             received = chunk.device.receive(transport.receive(stage, message_key(task))) \
                 if upstream(task, chunk.count) else None
+            if settle:  # a serial run: on CUDA the task's kernels wait until the host has issued them all
+                chunk.device.hold()
             start = chunk.device.mark()  # after the input arrived (on CUDA: after the stream's wait for
             message = chunk.run(task, received)  # it is queued), so waiting is idle time, not work
             end = chunk.device.mark()
             if settle:
-                chunk.device.settle()
+                chunk.device.settle(start, end)
             if message is not None:  # (destination, key, value), sent after the end mark: the receiver
                 transport.send(chunk.index, *message)  # never starts before it
             marks.append((task, start, end))

@@ -9,9 +9,9 @@ K=1 step's own task times laid end to end (a replay has no per-step overhead, so
 with a measured step would flatter it).
 
 On a GPU a task is worth timing only if the GPU, not Python, sets its pace: each stage's tasks
-are issued by a host thread (hooks, the ledger, random streams, events), and a small model's
-kernels finish before the next one is launched. So the GPU table's model is sized by measurement
-(`sized_for_gpu`): grown until every stage's GPU time is GPU_TARGET times the host time spent
+are issued by a host thread, and a small model's kernels finish before the next one is launched.
+So the GPU table's model is sized by measurement (`sized_for_gpu`): grown until every stage's GPU
+time (gated: its kernels back to back, `stage_ratios`) is GPU_TARGET times the host time spent
 issuing it, at the table's smallest tasks; and a cell whose stages fall under GPU_FLOOR is not
 called measured, nor replayed as if its task times were the GPU's.
 """
@@ -127,8 +127,11 @@ def kept_sizing(start: RunConfig, quick: bool, size: Callable[[], "Sizing"]) -> 
 
 def stage_ratios(events: list[dict], stages: int) -> list[float]:
     """Per stage, the GPU seconds of its tasks over the host seconds spent issuing them (Event.host),
-    from a step run one task at a time (each task then starts on an idle GPU, and its host time is
-    launching alone). 1.0 for a stage on a CPU, where the host thread is the device."""
+    from a step run one task at a time. There each task's stream is gated (engine.device.Gate): its
+    kernels wait until the host has issued them all, then run back to back, so the GPU seconds are
+    the GPU's work alone and the ratio reads below 1 where the host sets the pace (timed from an
+    idle stream instead, the GPU would never take less than the host). 1.0 for a stage on a CPU,
+    where the host thread is the device."""
     gpu, issued = [0.0] * stages, [0.0] * stages
     for e in events:
         gpu[e["stage"]] += e["end"] - e["start"]

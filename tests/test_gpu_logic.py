@@ -696,3 +696,44 @@ def test_a_calls_events_are_read_at_once_on_a_gpu_and_when_asked_for_on_a_cpu(on
     assert heard == (events() if on_gpu else [])
     assert [f"{e.op}{e.micro}" for e in events()] == ["F0", "B0"] and events() is events()
     assert len(made) == 2
+
+
+def test_the_gate_outlasts_the_hosts_issuing_and_counts_the_tasks_it_did_not():
+    from engine.device import Gate
+    spins, rates = [], []
+    gate = Gate(spins.append, lambda: rates.append(1) or 1e9)   # a GPU counting 1e9 cycles a second
+    gate.hold()
+    gate.opened(before_issued=False, host_seconds=1e-4)          # issued within the 0.2 ms floor
+    gate.hold()
+    gate.opened(before_issued=True, host_seconds=1.5e-3)         # a slow task: its spin ended first
+    gate.hold()
+    gate.opened(before_issued=False, host_seconds=1e-3)
+    gate.hold()
+    assert spins == [200_000, 200_000, 3_000_000, 3_000_000]     # twice the longest host time seen since
+    assert rates == [1] and gate.missed == 1                     # the rate asked once
+    gate.opened(before_issued=False, host_seconds=10.0)
+    assert gate.seconds == 0.5                                   # never a spin of seconds
+
+
+def test_a_serial_run_holds_each_task_behind_the_gate_and_a_threaded_run_never(monkeypatch):
+    from engine import GPipe
+    from engine.device import StageDevice
+    calls = []
+    monkeypatch.setattr(StageDevice, "hold", lambda self: calls.append("hold"))
+    monkeypatch.setattr(StageDevice, "settle", lambda self, start=None, end=None: calls.append(
+        "settled" if start is None else ("task", end >= start)))
+    torch.manual_seed(0)
+    pipe = GPipe(torch.nn.Sequential(*[torch.nn.Linear(4, 4) for _ in range(4)]), 2, chunks=2)
+    x, y = torch.randn(4, 4), torch.randn(4, 4)
+    pipe.step(x, y, torch.nn.functional.mse_loss, serial=True)
+    tasks = [c for c in calls if c != "settled"]
+    assert tasks == ["hold", ("task", True)] * len(pipe.trace.events)   # a hold before each, its marks after
+    calls.clear()
+    pipe.step(x, y, torch.nn.functional.mse_loss)
+    assert "hold" not in calls and all(c == "settled" for c in calls)
+
+
+def test_the_gated_ratio_reads_below_one_where_the_host_sets_the_pace():
+    from lab.speedup import stage_ratios
+    events = [dict(stage=0, start=0.0, end=0.0002, host=0.0015), dict(stage=0, start=0.01, end=0.0103, host=0.0015)]
+    assert stage_ratios(events, 1) == pytest.approx([0.5 / 3])   # the GPU's 0.5 ms of work took the host 3 ms to issue
