@@ -376,11 +376,10 @@ def _bounded(fn: Callable, args: tuple, within: Callable = contextlib.nullcontex
         while worker.is_alive() and cpu_used() < CALL_SECONDS and time.monotonic() - start < WAIT_SECONDS:
             worker.join(0.02)
     except BaseException:  # Ctrl-C (the kernel's interrupt) in the check: stop the answer too
-        _raise_in(worker, KeyboardInterrupt)
+        _stop(worker, KeyboardInterrupt)
         raise
     if worker.is_alive():
-        _raise_in(worker, _TookTooLong)
-        worker.join(1.0)
+        _stop(worker, _TookTooLong)
         if not outcome:
             raise _TookTooLong()
     finished, value = outcome[0]
@@ -389,9 +388,42 @@ def _bounded(fn: Callable, args: tuple, within: Callable = contextlib.nullcontex
     return value
 
 
-def _raise_in(thread: threading.Thread, error: type) -> None:
-    """Raise `error` in `thread` at its next bytecode."""
-    ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread.ident), ctypes.py_object(error))
+def _raise_in(thread: threading.Thread, error: Optional[type]) -> None:
+    """Raise `error` in `thread` at its next bytecode (None: withdraw what is pending there)."""
+    ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread.ident),
+                                               None if error is None else ctypes.py_object(error))
+
+
+class _Absorbed(BaseException):
+    """Raised in a helper thread only to take the interpreter's pending-exception signal (_stop)."""
+
+
+def _stop(worker: threading.Thread, error: type) -> None:
+    """Raise `error` in `worker`; if it is blocked for good (no bytecode runs to receive it), withdraw
+    it. An exception left pending on a blocked thread keeps the interpreter's signal up, and on
+    CPython 3.11 any thread that runs under a profile or trace function (a debugger, coverage,
+    lab.host_time's counts) then loops for ever on its next call. Withdrawing it leaves the signal
+    up too; only a thread that receives one of its own takes it down, so a helper does."""
+    _raise_in(worker, error)
+    worker.join(1.0)
+    if not worker.is_alive():
+        return
+    _raise_in(worker, None)
+
+    inside = threading.Event()
+
+    def absorb() -> None:
+        try:
+            inside.set()
+            while True:
+                time.sleep(0.001)
+        except _Absorbed:
+            pass
+    helper = threading.Thread(target=absorb, name="gpipe-signal-taker", daemon=True)
+    helper.start()
+    inside.wait()
+    _raise_in(helper, _Absorbed)
+    helper.join(5.0)
 
 
 def _call_text(fn: Callable, args: tuple) -> str:

@@ -3,9 +3,12 @@ torch), reject every mutation of the reference answers with the sentence of its 
 and never raise, whatever they are given."""
 import decimal
 import fractions
+import subprocess
+import sys
 import threading
 import time
 from itertools import accumulate
+from pathlib import Path
 
 import numpy as np
 import pandas as pd
@@ -659,3 +662,25 @@ def test_a_cut_family_is_named_only_when_the_cut_behaves_as_that_family():
     said = exercises.check_best_cut(never_before_last)
     assert said.startswith("✗") and SAYS["variance cut"] not in said and SAYS["greedy cut"] not in said, said
     assert SAYS["not the min-max"] in said, said
+
+
+def test_an_answer_blocked_for_good_leaves_profiled_code_running():
+    """A check gives up on an answer stuck on a lock; code run later under a profile function (a
+    debugger, coverage, lab.host_time's counts) must not hang (CPython 3.11 loops for ever on an
+    exception left pending on a blocked thread). In a child, so that a regression fails, not hangs."""
+    script = (
+        "import sys, threading\n"
+        "from lab import exercises\n"
+        "def waits_for_ever(k, m):\n"
+        "    lock = threading.Lock(); lock.acquire(); lock.acquire()\n"
+        "exercises.WAIT_SECONDS = 0.5\n"
+        "print(exercises.check_bubble(waits_for_ever).split()[0])\n"
+        "calls = []\n"
+        "sys.setprofile(lambda frame, event, arg: calls.append(event))\n"
+        "len([1])\n"
+        "(lambda: None)()\n"
+        "sys.setprofile(None)\n"
+        "print('profiled', len(calls) > 0)\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60,
+                          cwd=Path(__file__).resolve().parent.parent)
+    assert done.stdout.split() == ["✗", "profiled", "True"], done.stdout + done.stderr
