@@ -541,6 +541,8 @@ def report_parts(folder: Path) -> list[Part]:
                  figures=folder / "speedup.md"),
             Part("lab.reproduce memory --device cuda --quick", [*reproduce[:2], "memory", *reproduce[2:]], 120,
                  figures=folder / "memory.md"),
+            Part("lab.bench --host-time --quick (this host's share of a task, beside docs/benchmarks.md's CPU host)",
+                 ["-m", "lab.bench", "--host-time", "--quick"], 20),
             Part("lab.train --device cuda, 2 ranks (torchrun, loopback)",
                  ["-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2", "--rdzv-backend", "c10d",
                   "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "-m", "lab.train", "--steps", "20", "--log-every",
