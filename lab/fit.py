@@ -84,6 +84,44 @@ def breakdown(config: RunConfig) -> list[dict]:
     return stages
 
 
+def allocator_peak(config: RunConfig) -> int:
+    """The most bytes the CPU allocator held during one steady-state training step of `config` (K=1:
+    one process holds every stage, so its allocator cannot tell stages apart): after a step and an
+    Adam step have made every state, what is held (weights, Adam's moments) plus the highest the next
+    step's allocations rose above it, from torch.profiler's memory events (zeroing the gradients,
+    the pipelined step run serially on this thread, Adam's step). What the engine's count is judged
+    against: the count adds the ledger's saved tensors to weights, gradients and moments; the
+    allocator also sees the backward's working memory, and gradients that do not yet exist at the
+    activations' peak."""
+    from torch.profiler import ProfilerActivity, profile
+    if config.stages != 1 or config.device != "cpu":
+        raise ValueError(f"allocator_peak measures one stage on the CPU, got K={config.stages} on {config.device}")
+    model, (inputs, targets), loss_fn = build(config)
+    pipe = GPipe(model, 1, chunks=config.micro_batches, checkpoint=config.checkpoint, seed=config.seed,
+                 threads_per_stage=config.threads_per_stage, record_memory=False)
+    optimizer = torch.optim.Adam(pipe.parameters(), lr=1e-4)
+
+    def step() -> None:
+        optimizer.zero_grad(set_to_none=True)
+        pipe.step(inputs, targets, loss_fn, serial=True)  # serial: the profiler sees this thread's allocations
+        optimizer.step()
+    try:
+        step()
+        held = sum(p.nbytes for p in model.parameters()) + sum(
+            t.nbytes for state in optimizer.state.values() for t in state.values() if torch.is_tensor(t))
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as profiler:
+            step()
+    finally:
+        pipe.close()
+    changes = sorted((e.start_ns(), e.nbytes()) for e in profiler.profiler.kineto_results.events()
+                     if e.name() == "[memory]" and e.device_type().name == "CPU")
+    live = highest = 0
+    for _, change in changes:
+        live += change
+        highest = max(highest, live)
+    return held + highest
+
+
 def footprint(config: RunConfig) -> tuple[int, int]:
     """(parameter count, bytes the most loaded stage needs) for one real training step, counted."""
     stages = breakdown(config)
@@ -137,8 +175,9 @@ def library_workspaces(devices: list[str], per_stream=stream_workspace) -> dict[
 
 
 def footprint_cuda(config: RunConfig, budget: int) -> tuple[int, int, bool]:
-    """(parameter count, largest per-GPU peak of the step, fitted) for one training step with every
-    stage on a GPU of its own, under a real cap: "does not fit" is a real out-of-memory error, and
+    """(parameter count, largest per-GPU peak of a steady-state step, fitted) for training with every
+    stage on a GPU of its own, under a real cap (the peak of the second step, Adam's state made by
+    the first): "does not fit" is a real out-of-memory error, and
     a step that ran fits if no GPU allocated more than `budget` for it, the stage streams' library
     workspaces not counted (`library_workspaces`). The cap is lifted after."""
     gpus = sorted({torch.device(name).index or 0 for name in devices_for(config)})  # the stages' GPUs only:
@@ -157,8 +196,14 @@ def footprint_cuda(config: RunConfig, budget: int) -> tuple[int, int, bool]:
         pipe = GPipe(model, config.stages, devices=devices_for(config), chunks=config.micro_batches,
                      checkpoint=config.checkpoint, seed=config.seed)
         optimizer = torch.optim.Adam(pipe.parameters(), lr=1e-4)
-        pipe.step(inputs, targets, loss_fn)
-        optimizer.step()
+        for steady in (False, True):  # the peak of the second step, when Adam's moments exist all along
+            if steady:
+                optimizer.zero_grad(set_to_none=True)
+                for d in gpus:
+                    torch.cuda.synchronize(d)
+                    torch.cuda.reset_peak_memory_stats(d)
+            pipe.step(inputs, targets, loss_fn)
+            optimizer.step()
         for d in gpus:
             torch.cuda.synchronize(d)
         state = 4 * sum(p.numel() * p.element_size() for p in model.parameters())  # weights, gradients, 2 moments

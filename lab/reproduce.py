@@ -213,7 +213,7 @@ def memory_rows(args, progress) -> Iterator[dict]:
             row = {"training": label, "K": stages, "measured by": measure}
             if best is None:
                 yield {**row, "layers": 0, "parameters": 0, "peak bytes": 0, "growth vs naive": 0.0, "paper": "",
-                       "probes": 0}
+                       "probes": 0, "allocator (torch.profiler)": "", "count over allocator": ""}
                 continue
             first = first or best
             capped = best.blocks >= max_blocks  # the search stopped at its cap, not at the budget
@@ -221,7 +221,17 @@ def memory_rows(args, progress) -> Iterator[dict]:
                    "parameters": best.params, "peak bytes": best.peak_bytes,
                    "growth vs naive": round(best.params / first.params, 2),
                    "paper": {"K=1 with recompute": f"{theory.PAPER_REMAT_GROWTH}x"}.get(label, ""),
-                   "probes": len(best.probes)}
+                   "probes": len(best.probes), **beside_the_allocator(args, base, best)}
+
+
+def beside_the_allocator(args, base: RunConfig, best: fit.Largest) -> dict:
+    """On the CPU, for a row of one stage, the allocator's peak of the chosen model's steady-state
+    step (torch.profiler, fit.allocator_peak) beside the engine's count; blank elsewhere (a process
+    of K stages holds them all in one allocator; on GPUs the allocator's rows are its own)."""
+    if args.device == "cuda" or best.stages != 1:
+        return {"allocator (torch.profiler)": "", "count over allocator": ""}
+    allocated = fit.allocator_peak(base.but(blocks=best.blocks, stages=1, checkpoint=best.checkpoint))
+    return {"allocator (torch.profiler)": allocated, "count over allocator": round(best.peak_bytes / allocated, 3)}
 
 
 def schedules_config(args) -> RunConfig:
@@ -385,7 +395,8 @@ def run_command(name: str, args, rows_of: Callable, out: Path) -> list[dict]:
     if name == "memory":
         base, budget, _ = memory_config(args)
         counted = "the budget is applied to each stage's measured parameters + gradients + Adam state + activations"
-        how = f"CPU: {counted}" if args.device != "cuda" else (
+        how = f"CPU: {counted}; for one stage, the chosen model's steady-state step as the allocator held it " \
+              f"(torch.profiler's memory events) beside the count" if args.device != "cuda" else (
             f"GPUs: {torch.cuda.device_count()}; rows measured by the {ALLOCATOR} (K up to that many stages, each "
             f"on a GPU of its own): a real cap, the allocator's peak per GPU and real out-of-memory errors; rows "
             f"measured by the {COUNT} (every K, whether stages share GPUs or not): {counted}; growth vs naive is "

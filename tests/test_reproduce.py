@@ -75,6 +75,9 @@ def test_memory_quick_finds_growing_models(tmp_path):
     budget = 3 * 2 ** 20
     assert all(int(r["peak bytes"]) <= budget for r in rows)
     assert "CPU: the budget is applied to each stage's measured" in (tmp_path / "memory.md").read_text()
+    one_stage = [r for r in rows if r["K"] == "1"]   # naive and with recompute: the allocator's peak beside the count
+    assert len(one_stage) == 2 and all(0.9 <= float(r["count over allocator"]) <= 1.1 for r in one_stage), one_stage
+    assert all(r["count over allocator"] == "" for r in rows if r["K"] != "1")
 
 
 def test_memory_on_gpus_grows_each_measure_against_its_own_naive_row(monkeypatch):
