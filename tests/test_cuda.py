@@ -101,6 +101,24 @@ def test_serial_runs_time_each_task_alone_and_traces_keep_dependencies(kind):
     assert out_of_order(pipe.trace, slack) == []
 
 
+@NO_GPU
+def test_a_serial_step_gates_each_task_so_a_launch_bound_task_reads_below_one():
+    """A near-empty model's tasks are all launching: gated (engine.device.Gate), their kernels run back
+    to back, so the GPU's time per task falls below the host's time to issue it."""
+    from lab.speedup import stage_ratios
+    torch.manual_seed(1)
+    x, y = torch.randn(64, 16), torch.randint(0, 3, (64,))
+    pipe = GPipe(mlp(width=16, depth=6), 1, chunks=8, devices=["cuda:0"])
+    for _ in range(3):   # the spin grows to twice the longest host time seen: later steps are held throughout
+        pipe.step(x, y, LOSS, serial=True)
+    gate = pipe._local.devices[0].gate
+    missed = gate.missed
+    pipe.step(x, y, LOSS, serial=True)
+    assert gate.missed == missed, "every task of a step after the warm-up was held until the host had issued it"
+    [ratio] = stage_ratios(pipe.trace.to_records(), 1)
+    assert ratio < 1.0, f"a near-empty model's GPU time per task should be under the host's: {ratio:.2f}"
+
+
 @pytest.mark.parametrize("kind", ["cpu", pytest.param("cuda", marks=[TWO_GPUS, SHARED_GPUS])])
 def test_a_pool_started_with_a_local_rank_puts_stage_k_on_gpu_k(monkeypatch, kind):
     """As a pool started from a torchrun worker: its children inherit LOCAL_RANK, and must not all
