@@ -175,7 +175,7 @@ def show_pipeline(record: RunRecord, config: RunConfig) -> None:
     view = st.radio("timeline", ["measured", "ideal replay", "theory"], horizontal=True, key="view",
                     help="measured: as it ran here. ideal replay: the task times of this step, each timed alone, "
                          "laid out as if every stage had a device of its own. theory: unit costs, the paper's picture.")
-    for note in record.notes:
+    for note in record.notes + speedup.launch_bound_notes(record):
         st.warning(note)
     waited = st.session_state.get("waited", {}).get(config)
     if waited is not None:

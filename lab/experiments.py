@@ -191,9 +191,10 @@ def run(config: RunConfig, on_event: Optional[Callable] = None, replay: Union[bo
     The measured steps run unobserved, since drawing while they run would take CPU time from the
     stages and show up in the very timings.
 
-    With `replay=True`, when the host cannot run all K stages at once, the same step is also run
-    one task at a time (`serial=True`, in this process): those task times, not the ones stretched
-    by sharing, are what an ideal replay lays onto K independent devices. `replay="always"` does
+    With `replay=True`, when the host cannot run all K stages at once, or the stages are on GPUs
+    (where the tasks' GPU-over-host ratio says whether Python set the pace: lab.speedup), the same
+    step is also run one task at a time (`serial=True`, in this process): those task times, not the
+    ones stretched by sharing, are what an ideal replay lays onto K independent devices. `replay="always"` does
     it whatever the host, for claims that must hold on any host.
     """
     check(config)
@@ -207,7 +208,8 @@ def run(config: RunConfig, on_event: Optional[Callable] = None, replay: Union[bo
     # the stages' devices (as torchgpipe does), where the host's samples could no longer reach them.
     predicted = predicted_activation_bytes(config, model, inputs, balance)
     per_sample = boundary_bytes(model, micro_sample(inputs, config))
-    replayed = replay == "always" or (bool(replay) and config.stages > parallel_devices(config))
+    # on GPUs the tasks are timed alone too: their GPU-over-host ratio says whether the step was launch-bound
+    replayed = replay == "always" or (bool(replay) and (config.stages > parallel_devices(config) or config.device == "cuda"))
     single = baseline_of(config)
     with stepper_for(config, balance, model, on_wait) as pipe, \
             (stepper_for(single, [config.layers]) if baseline else nullcontext()) as single_pipe:

@@ -279,6 +279,18 @@ def gpu_floor(config: RunConfig) -> float:
     return max(GPU_FLOOR, config.stages) if config.transport == "threads" else GPU_FLOOR
 
 
+def launch_bound_notes(record: RunRecord) -> list[str]:
+    """On GPUs, a sentence saying that a record's step was launch-bound, with its ratio (none when its
+    tasks kept the GPUs busy, or on a CPU): shown wherever the record's figures are."""
+    ratio = cell_ratio(record)
+    floor = gpu_floor(RunConfig(**record.config))
+    if ratio is None or ratio >= floor:
+        return []
+    return [f"Launch-bound: each task's GPU work took {ratio:.1f}x the host's time to issue it (under {floor:g}x), "
+            f"so Python and kernel launches, not the GPU, set this step's pace; a faster GPU would not run it "
+            f"faster. More work per task (width, batch, sequence length) gives the GPU the lead."]
+
+
 def throughput(record: RunRecord) -> tuple[float, str, float]:
     """(samples/s, how, bubble) of a record: measured if the host ran its stages at once, else
     replayed; on GPUs "launch-bound" (the replay's figures, not to be read as the GPU's) when its
@@ -349,8 +361,11 @@ def table(base: RunConfig, stages: Iterable[int] = (1, 2, 4, 8), micro: Iterable
 
 def bubble_point(record: RunRecord) -> tuple[int, float, str]:
     """(M, bubble, how) of one record: "measured (threads)" or "measured (processes)" when the host
-    ran its K stages at once, else "ideal replay" (of the task times measured alone)."""
+    ran its K stages at once, else "ideal replay" (of the task times measured alone), or on GPUs
+    "launch-bound (GPU 0.4x the host's time per task), replayed"."""
     _, how, bubble = throughput(record)
+    if how == "launch-bound":
+        how = f"launch-bound (GPU {cell_ratio(record):.1f}x the host's time per task), replayed"
     return record.micro_batches, bubble, replay.how_obtained(how, record.transport)
 
 

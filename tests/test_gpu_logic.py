@@ -265,6 +265,28 @@ def test_a_launch_bound_gpu_cell_is_not_called_measured():
     cell = speedup.Cell(2, 32, 1.0, 1.0, 1.0, "launch-bound", 0.1, gpu_ratio=2.0)
     assert cell.label.startswith("not measured: launch-bound (GPU busy 2.0x")
     assert speedup.cell_ratio(record) is None                                   # a CPU record has none
+    [note] = speedup.launch_bound_notes(launch_bound)   # said wherever the record is shown: the app, the bubble curve
+    assert note.startswith("Launch-bound: each task's GPU work took 2.0x the host's time") and "under 3x" in note
+    assert speedup.launch_bound_notes(dataclasses.replace(record, config=gpu, solo_events=busy)) == []
+    assert speedup.launch_bound_notes(record) == []
+    assert speedup.bubble_point(launch_bound)[2] == "launch-bound (GPU 2.0x the host's time per task), replayed"
+
+
+def test_a_run_on_gpus_times_its_tasks_alone_for_the_ratio(monkeypatch):
+    from lab import experiments
+    from lab.config import RunConfig
+    solo = []
+    monkeypatch.setattr(experiments, "solo_run", lambda config, balance: solo.append(config.device) or [])
+    monkeypatch.setattr(experiments, "parallel_devices", lambda config: 8)   # K=2 fits: no replay for sharing
+    config = RunConfig(model="mlp", blocks=2, width=8, batch=8, stages=2, micro_batches=2)
+    experiments.run(config, replay=True)
+    assert solo == []                                           # on CPU cores of their own: no serial run
+    import lab.config
+    monkeypatch.setattr(lab.config, "_cuda_available", lambda: True)
+    monkeypatch.setattr(experiments, "devices_for", lambda config: ["cpu"] * config.stages)
+    monkeypatch.setattr(experiments.host, "free_gpu_memory", lambda: None)
+    experiments.run(config.but(device="cuda"), replay=True)      # stages "on GPUs" (placed on the CPU here)
+    assert solo == ["cuda"]
 
 
 def test_the_gpu_table_says_how_it_was_sized_and_which_cells_are_launch_bound(tmp_path, monkeypatch, capsys):
