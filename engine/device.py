@@ -101,11 +101,13 @@ class Gate:
     """Holds a stage's stream behind a spin kernel while the host issues one task (a serial run), so
     that the task's kernels run back to back once it opens and its events time the GPU's work alone,
     not the host's pace. `spin(cycles)` queues the spin kernel, `cycles_per_second()` says how fast it
-    counts (asked once). The spin lasts twice the longest host time seen so far (at least `floor`
-    seconds, at most `ceiling`); a task whose spin ended before the host had issued it is `missed`."""
+    counts (asked once). The spin lasts twice the longest host time of a held task seen so far (at
+    least `floor` seconds, at most `ceiling`); a task whose spin ended before the host had issued it
+    is `missed`, and doubles the spin instead (its host time may hold a wait for the spin itself, or
+    the rate was read at a low clock)."""
 
     def __init__(self, spin: Callable[[int], None], cycles_per_second: Callable[[], float],
-                 floor: float = 2e-4, ceiling: float = 0.5):
+                 floor: float = 2e-4, ceiling: float = 0.1):
         self._spin, self._rate, self._ceiling = spin, cycles_per_second, ceiling
         self.seconds, self.rate, self.missed = floor, None, 0
 
@@ -118,7 +120,8 @@ class Gate:
     def opened(self, before_issued: bool, host_seconds: float) -> None:
         """After a task: whether the spin had ended before its last launch, and the host's time for it."""
         self.missed += before_issued
-        self.seconds = min(self._ceiling, max(self.seconds, 2 * host_seconds))
+        grown = 2 * self.seconds if before_issued else 2 * host_seconds
+        self.seconds = min(self._ceiling, max(self.seconds, grown))
 
 
 def spin_rate(device: torch.device) -> float:
@@ -232,13 +235,13 @@ class StageDevice:
         return value
 
     def hold(self) -> None:
-        """Before a task of a serial run: on CUDA, hold the stream behind the gate's spin (Gate)."""
+        """Before a task of a gated serial run: on CUDA, hold the stream behind the gate's spin (Gate)."""
         if self.gate is not None:
             self.gate.hold()
 
     def settle(self, start=None, end=None) -> None:
         """Wait until this stage's queued GPU work has run (nothing to wait for on CPU): a serial run
-        settles after each task, so that every task is timed alone. Given the task's marks (a serial
+        settles after each task, so that every task is timed alone. Given the task's marks (a gated
         run's, after `hold`), first tell the gate whether it held until the host had issued the task."""
         if self.is_cuda:
             if start is not None and self.gate is not None:

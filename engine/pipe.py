@@ -129,7 +129,7 @@ class GPipe(nn.Module):
         self.runner.close()
 
     def step(self, inputs: Value, targets: torch.Tensor, loss_fn: Callable, *, on_event: EventCallback = None,
-             serial: bool = False):
+             serial: Union[bool, str] = False):
         """One mini-batch: pipelined forward and backward, gradients summed into `.grad`.
 
         `loss_fn(output_chunk, target_chunk)` must return the mean loss of a micro-batch; each is
@@ -138,8 +138,12 @@ class GPipe(nn.Module):
         stages as processes, on every rank; with data_parallel=, the mean over the global batch).
         `on_event`, if given, is called with each task's Event as it finishes. `serial=True` runs
         the tasks one at a time on the calling thread (same results; each task timed alone, as an
-        ideal replay on a host with fewer cores than stages needs).
+        ideal replay on a host with fewer cores than stages needs). `serial="gated"` also holds each
+        task's CUDA stream until the host has issued the whole task (engine.device.Gate), so that its
+        events time the GPU's own work, kernels back to back, apart from the host's pace (Event.host).
         """
+        if serial not in (False, True, "gated"):
+            raise ValueError(f"serial={serial!r}: expected False, True or 'gated'")
         if serial and self.rank is not None:
             raise ValueError("serial=True runs every stage on the calling thread; with group= each rank "
                              "runs only its own stage")

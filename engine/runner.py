@@ -45,10 +45,11 @@ class Runner(Protocol):
 
 def run_tasks(local: LocalStages, work: Iterable[tuple[int, Task]], transport,
               on_mark: Optional[Callable[[int, Task, object, object], None]] = None, prefix: str = "",
-              settle: bool = False) -> list[Mark]:
+              settle: bool = False, gate: bool = False) -> list[Mark]:
     """Run `work`, (stage, task) pairs, in order on the calling thread, each under its stage's device
     setup; return their (task, start, end) marks. `on_mark(stage, task, start, end)` is told of each
-    as it ends. `settle` waits for each task's GPU work before the next starts (a serial run). A
+    as it ends. `settle` waits for each task's GPU work before the next starts (a serial run), `gate`
+    holds its kernels until the host has issued them all (StageDevice.hold). A
     failure is re-raised with `prefix` and its place in the message; Aborted (another stage failed)
     is passed on as it is."""
     marks: list[Mark] = []
@@ -62,13 +63,13 @@ def run_tasks(local: LocalStages, work: Iterable[tuple[int, Task]], transport,
             chunk = local.chunks[task.chunk]
             received = chunk.device.receive(transport.receive(stage, message_key(task))) \
                 if upstream(task, chunk.count) else None
-            if settle:  # a serial run: on CUDA the task's kernels wait until the host has issued them all
+            if gate:  # on CUDA the task's kernels wait until the host has issued them all
                 chunk.device.hold()
             start = chunk.device.mark()  # after the input arrived (on CUDA: after the stream's wait for
             message = chunk.run(task, received)  # it is queued), so waiting is idle time, not work
             end = chunk.device.mark()
             if settle:
-                chunk.device.settle(start, end)
+                chunk.device.settle(*((start, end) if gate else ()))
             if message is not None:  # (destination, key, value), sent after the end mark: the receiver
                 transport.send(chunk.index, *message)  # never starts before it
             marks.append((task, start, end))
@@ -148,7 +149,7 @@ class ThreadRunner:
                 unit = timeline(call.schedule, lambda stage, task: 1.0)
                 order = sorted((start, k, i) for k, times in enumerate(unit) for i, (start, _) in enumerate(times))
                 marks = run_tasks(self.local, [(k, call.schedule[k][i]) for _, k, i in order], transport,
-                                  live(self.local, on_event), settle=True)
+                                  live(self.local, on_event), settle=True, gate=serial == "gated")
             else:
                 if self._threads is None:
                     self._threads = StageThreads(self.stages)

@@ -60,6 +60,7 @@ GPU_TOLERANCE = 1e-5   # float32 on GPUs, relative to the largest value: cuBLAS 
 ROW_SECONDS = 240      # at most, for one GPU row in its own process
 REPORT_SECONDS = 480   # --report: the rows and every part together, on one GPU
 REPORT_ROWS_SECONDS = 180  # of which the rows get at most this; the parts share the rest (`part_limit`)
+NCCL_ROW_SECONDS = 60  # of the rows' time, kept for the NCCL row (it comes last), whatever the rows before it take
 MIN_PART_SECONDS = 5   # a part is not started with less time left than this
 PART_GRACE_SECONDS = 20  # a part out of time gets a Ctrl-C this long before it is killed, to write its rows
 
@@ -447,7 +448,9 @@ def isolated(name: str, deadline: Optional[float] = None) -> Check:
     ROW_SECONDS (or until `deadline`, a time.monotonic() reading): this process holds no CUDA context
     while it, or any later row, runs."""
     def check() -> str:
-        limit = ROW_SECONDS if deadline is None else max(1.0, min(ROW_SECONDS, deadline - time.monotonic()))
+        limit = ROW_SECONDS if deadline is None else min(ROW_SECONDS, deadline - time.monotonic())
+        if limit < 1.0:  # started anyway, it would eat the time kept for the rows after it
+            raise Failed("not run: the rows before it used up the report's time for them")
         code, output = bounded(["-m", "lab.doctor", "--row", name], limit)
         said = [line for line in output.splitlines() if line.startswith('{"name": ')]  # stderr is mixed in
         if code is None or not said:
@@ -462,18 +465,21 @@ def isolated(name: str, deadline: Optional[float] = None) -> Check:
 
 def checklist(cli: bool = True, deadline: Optional[float] = None) -> tuple[list[tuple[str, Check]], list[str]]:
     """The checks for this host, and lines saying what was left out and why. With a `deadline` (the
-    report's), the CPU rows too run each in a process bounded by it: the rows end by it by construction."""
-    checks = list(CPU_ROWS.items()) if deadline is None else [(name, isolated(name, deadline)) for name in CPU_ROWS]
+    report's), the CPU rows too run each in a process bounded by it: the rows end by it by construction,
+    and on two GPUs or more every row but the NCCL one by NCCL_ROW_SECONDS before it (that row's own)."""
+    several = torch.cuda.is_available() and torch.cuda.device_count() >= 2
+    earlier = deadline - NCCL_ROW_SECONDS if deadline is not None and several else deadline
+    checks = list(CPU_ROWS.items()) if deadline is None else [(name, isolated(name, earlier)) for name in CPU_ROWS]
     skipped = []
     if not torch.cuda.is_available():
         skipped.append("no GPU: the CUDA rows (one GPU for K=1..3, schedules, trace order, hop, serial timing, "
                        "processes, NCCL, reproduce --device cuda) were not run")
         return checks, skipped
     refused = host.stage_processes_refused_here(2, False)
-    checks += [(name, isolated(name, deadline)) for name in GPU_ROWS if not (refused and name == "processes on GPUs")]
+    checks += [(name, isolated(name, earlier)) for name in GPU_ROWS if not (refused and name == "processes on GPUs")]
     if refused:
         skipped.append(f"processes on GPUs: {refused}")
-    if torch.cuda.device_count() >= 2:
+    if several:
         checks += [(name, isolated(name, deadline)) for name in TWO_GPU_ROWS]
     else:
         skipped.append("NCCL: needs 2 GPUs, this host has 1 (stage processes on one GPU talk over gloo, checked above)")

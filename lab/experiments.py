@@ -334,14 +334,16 @@ def solo_run(config: RunConfig, balance: list[int]) -> list[dict]:
         pipe.close()
 
 
-def solo_events(pipe: GPipe, inputs, targets, loss_fn, repeats: int = 5) -> list[dict]:
+def solo_events(pipe: GPipe, inputs, targets, loss_fn, repeats: int = 5, serial=True) -> list[dict]:
     """Task times measured one at a time (serial steps); each task keeps its median time over
-    `repeats` steps (at least 5), so that neither one preempted timing nor one lucky one sets it."""
+    `repeats` steps (at least 5), so that neither one preempted timing nor one lucky one sets it.
+    `serial="gated"`: on GPUs each task's kernels run back to back (GPipe.step), for its GPU time
+    apart from the host's; the default times each task at its own pace, as an ideal replay wants."""
     if repeats < 5:
         raise ValueError(f"repeats={repeats}: expected at least 5 serial steps, so that a median means something")
     timings: dict = {}
     for _ in range(repeats):
-        pipe.step(inputs, targets, loss_fn, serial=True)
+        pipe.step(inputs, targets, loss_fn, serial=serial)
         for event in pipe.trace.to_records():
             timings.setdefault((event["chunk"], event["op"], event["micro"]), []).append(event)
     middle = [sorted(events, key=lambda e: e["end"] - e["start"])[len(events) // 2] for events in timings.values()]

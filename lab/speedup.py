@@ -127,11 +127,12 @@ def kept_sizing(start: RunConfig, quick: bool, size: Callable[[], "Sizing"]) -> 
 
 def stage_ratios(events: list[dict], stages: int) -> list[float]:
     """Per stage, the GPU seconds of its tasks over the host seconds spent issuing them (Event.host),
-    from a step run one task at a time. There each task's stream is gated (engine.device.Gate): its
-    kernels wait until the host has issued them all, then run back to back, so the GPU seconds are
-    the GPU's work alone and the ratio reads below 1 where the host sets the pace (timed from an
-    idle stream instead, the GPU would never take less than the host). 1.0 for a stage on a CPU,
-    where the host thread is the device."""
+    from a step run one task at a time. Gated (`serial="gated"`, engine.device.Gate, as `gpu_ratios`
+    runs it), each task's kernels wait until the host has issued them all, then run back to back, so
+    the GPU seconds are the GPU's work alone and the ratio reads below 1 where the host sets the pace;
+    timed from an idle stream without the gate (a record's solo events), the GPU never takes less
+    than the host, and the ratio reads 1.0 however launch-bound. 1.0 for a stage on a CPU, where the
+    host thread is the device."""
     gpu, issued = [0.0] * stages, [0.0] * stages
     for e in events:
         gpu[e["stage"]] += e["end"] - e["start"]
@@ -144,7 +145,7 @@ def gpu_ratios(config: RunConfig) -> list[float]:
     model, (inputs, targets), loss_fn = build(config)
     pipe = pipeline(config, model, choose_balance(config, model, inputs))
     try:
-        return stage_ratios(solo_events(pipe, inputs, targets, loss_fn), config.stages)
+        return stage_ratios(solo_events(pipe, inputs, targets, loss_fn, serial="gated"), config.stages)
     finally:
         pipe.close()
 

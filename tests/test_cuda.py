@@ -102,7 +102,7 @@ def test_serial_runs_time_each_task_alone_and_traces_keep_dependencies(kind):
 
 
 @NO_GPU
-def test_a_serial_step_gates_each_task_so_a_launch_bound_task_reads_below_one():
+def test_a_gated_serial_step_holds_each_task_so_a_launch_bound_task_reads_below_one():
     """A near-empty model's tasks are all launching: gated (engine.device.Gate), their kernels run back
     to back, so the GPU's time per task falls below the host's time to issue it."""
     from lab.speedup import stage_ratios
@@ -110,10 +110,10 @@ def test_a_serial_step_gates_each_task_so_a_launch_bound_task_reads_below_one():
     x, y = torch.randn(64, 16), torch.randint(0, 3, (64,))
     pipe = GPipe(mlp(width=16, depth=6), 1, chunks=8, devices=["cuda:0"])
     for _ in range(3):   # the spin grows to twice the longest host time seen: later steps are held throughout
-        pipe.step(x, y, LOSS, serial=True)
+        pipe.step(x, y, LOSS, serial="gated")
     gate = pipe._local.devices[0].gate
     missed = gate.missed
-    pipe.step(x, y, LOSS, serial=True)
+    pipe.step(x, y, LOSS, serial="gated")
     assert gate.missed == missed, "every task of a step after the warm-up was held until the host had issued it"
     [ratio] = stage_ratios(pipe.trace.to_records(), 1)
     assert ratio < 1.0, f"a near-empty model's GPU time per task should be under the host's: {ratio:.2f}"

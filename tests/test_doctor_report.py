@@ -5,6 +5,8 @@ import os
 import signal
 import sys
 
+import pytest
+
 from lab import doctor
 
 
@@ -170,3 +172,30 @@ def test_a_part_this_hosts_gpus_refuse_is_skipped_saying_why(tmp_path, monkeypat
     [train] = [part for part in doctor.report_parts(tmp_path) if part.title.startswith("lab.train")]
     done = doctor.run_part(train, doctor.time.monotonic() + 60, 1)
     assert done.passed and done.status.startswith("skipped: the GPUs are in EXCLUSIVE_PROCESS compute mode")
+
+
+@pytest.mark.parametrize("gpus", [1, 8])
+def test_on_many_gpus_the_nccl_row_keeps_its_own_time_and_the_rows_end_by_their_deadline(monkeypatch, gpus):
+    """On 8 (faked) GPUs, rows that each run out their time leave the NCCL row, last, its
+    NCCL_ROW_SECONDS; on one GPU there is no NCCL row and nothing is kept back. Every row ends by the
+    rows' deadline, by construction: a row with under a second left is not started, and says so."""
+    clock, limits = [1000.0], []
+    monkeypatch.setattr(doctor.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(doctor.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(doctor.torch.cuda, "device_count", lambda: gpus)
+    monkeypatch.setattr(doctor.host, "stage_processes_refused_here", lambda stages, initialized: None)
+
+    def runs_out(args, limit, env=None, grace=0.0):
+        limits.append((args[-1], limit))
+        clock[0] += limit
+        return None, ""
+    monkeypatch.setattr(doctor, "bounded", runs_out)
+    deadline = clock[0] + doctor.REPORT_ROWS_SECONDS
+    checks, _ = doctor.checklist(cli=False, deadline=deadline)
+    names = [name for name, _ in checks]
+    assert ("NCCL, 2 GPUs" in names) == (gpus >= 2) and (gpus < 2 or names[-1] == "NCCL, 2 GPUs")
+    rows = doctor.run_checks(checks)
+    assert clock[0] <= deadline and all(row.detail.startswith(("its process ran out", "not run: the rows before"))
+                                        for row in rows)
+    if gpus >= 2:
+        assert limits[-1] == ("NCCL, 2 GPUs", doctor.NCCL_ROW_SECONDS)

@@ -731,13 +731,13 @@ def test_the_gate_outlasts_the_hosts_issuing_and_counts_the_tasks_it_did_not():
     gate.hold()
     gate.opened(before_issued=False, host_seconds=1e-3)
     gate.hold()
-    assert spins == [200_000, 200_000, 3_000_000, 3_000_000]     # twice the longest host time seen since
-    assert rates == [1] and gate.missed == 1                     # the rate asked once
+    assert spins == [200_000, 200_000, 400_000, 2_000_000]       # a miss doubles the spin; a held task's
+    assert rates == [1] and gate.missed == 1                     # host time, twice; the rate asked once
     gate.opened(before_issued=False, host_seconds=10.0)
-    assert gate.seconds == 0.5                                   # never a spin of seconds
+    assert gate.seconds == 0.1                                   # never a spin of seconds
 
 
-def test_a_serial_run_holds_each_task_behind_the_gate_and_a_threaded_run_never(monkeypatch):
+def test_a_gated_serial_run_holds_each_task_behind_the_gate_and_other_runs_never(monkeypatch):
     from engine import GPipe
     from engine.device import StageDevice
     calls = []
@@ -747,12 +747,15 @@ def test_a_serial_run_holds_each_task_behind_the_gate_and_a_threaded_run_never(m
     torch.manual_seed(0)
     pipe = GPipe(torch.nn.Sequential(*[torch.nn.Linear(4, 4) for _ in range(4)]), 2, chunks=2)
     x, y = torch.randn(4, 4), torch.randn(4, 4)
-    pipe.step(x, y, torch.nn.functional.mse_loss, serial=True)
+    pipe.step(x, y, torch.nn.functional.mse_loss, serial="gated")
     tasks = [c for c in calls if c != "settled"]
     assert tasks == ["hold", ("task", True)] * len(pipe.trace.events)   # a hold before each, its marks after
-    calls.clear()
-    pipe.step(x, y, torch.nn.functional.mse_loss)
-    assert "hold" not in calls and all(c == "settled" for c in calls)
+    for serial in (True, False):
+        calls.clear()
+        pipe.step(x, y, torch.nn.functional.mse_loss, serial=serial)
+        assert calls and all(c == "settled" for c in calls)
+    with pytest.raises(ValueError, match="serial='gate': expected False, True or 'gated'"):
+        pipe.step(x, y, torch.nn.functional.mse_loss, serial="gate")
 
 
 def test_the_gated_ratio_reads_below_one_where_the_host_sets_the_pace():
