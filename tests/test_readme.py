@@ -50,7 +50,7 @@ ENGINE_MAX_LINES, CORE_MAX_LINES = 4645, 2755  # engine/, and engine/ without th
 # graph (+32), a trace built when read (+20), hooks registered by the first split backward; the process
 # path by 15 (a trace piece taken apart from the call's end, tables packed by one struct), then by 25 for
 # a call's end as one typed row before the trace pieces, which are decoded when the trace is read; the
-# core by 115 for issue 61: nn.Dropout drawing from the stream itself (+30), a recomputed loss once and
+# core by 125 for issue 61: nn.Dropout drawing from the stream itself (+30), a recomputed loss once and
 # released on failure (+15), a gated serial run on CUDA (+55, asked for by serial="gated"), docstrings
 
 
