@@ -244,7 +244,7 @@ class StageDevice:
         settles after each task, so that every task is timed alone. Given the task's marks (a gated
         run's, after `hold`), first tell the gate whether it held until the host had issued the task."""
         if self.is_cuda:
-            if start is not None and self.gate is not None:
+            if start is not None:
                 self.gate.opened(start[0].query(), end[1] - start[1])
             self.stream.synchronize()
 

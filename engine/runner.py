@@ -68,8 +68,10 @@ def run_tasks(local: LocalStages, work: Iterable[tuple[int, Task]], transport,
             start = chunk.device.mark()  # after the input arrived (on CUDA: after the stream's wait for
             message = chunk.run(task, received)  # it is queued), so waiting is idle time, not work
             end = chunk.device.mark()
-            if settle:
-                chunk.device.settle(*((start, end) if gate else ()))
+            if gate:  # the gate learns whether it held until the host had issued the task
+                chunk.device.settle(start, end)
+            elif settle:
+                chunk.device.settle()
             if message is not None:  # (destination, key, value), sent after the end mark: the receiver
                 transport.send(chunk.index, *message)  # never starts before it
             marks.append((task, start, end))

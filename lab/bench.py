@@ -53,11 +53,8 @@ def plain_step(model: nn.Sequential, threads: int) -> Callable[[torch.Tensor, to
     return step
 
 
-LEAN = {"record_memory": False}  # timed pipes keep no activation ledger unless a row measures it
-
-
 def engine_step(model: nn.Sequential, stages: int, chunks: int, threads: int, **options):
-    pipe = GPipe(model, stages, chunks=chunks, threads_per_stage=threads, **{**LEAN, **options})
+    pipe = GPipe(model, stages, chunks=chunks, threads_per_stage=threads, **{**overhead.LEAN, **options})
     loss_fn = nn.MSELoss()
     return lambda x, y: pipe.step(x, y, loss_fn)
 
@@ -65,7 +62,8 @@ def engine_step(model: nn.Sequential, stages: int, chunks: int, threads: int, **
 def process_step(pool: ProcessPool, width: int, layers: int, chunks: int, **options):
     """The pipeline with one process per stage (a local pool): its step returns the step's seconds
     as the first stage's process measured them, without this process's hand-over to the pool."""
-    pool.build("lab.models:build", dict(name="mlp", blocks=layers, width=width), chunks=chunks, **{**LEAN, **options})
+    pool.build("lab.models:build", dict(name="mlp", blocks=layers, width=width), chunks=chunks,
+               **{**overhead.LEAN, **options})
     loss_fn = nn.functional.mse_loss
 
     def step(x, y):
@@ -110,7 +108,7 @@ def independent_halves(model: nn.Sequential, width: int, chunks: int, checkpoint
     same work as the two stages of a K=2 pipeline (the second half's input gradient included) but
     with no data passing between them."""
     half = len(model) // 2
-    pipes = [GPipe(nn.Sequential(*part), 1, chunks=chunks, threads_per_stage=1, checkpoint=checkpoint, **LEAN)
+    pipes = [GPipe(nn.Sequential(*part), 1, chunks=chunks, threads_per_stage=1, checkpoint=checkpoint, **overhead.LEAN)
              for part in (list(model)[:half], list(model)[half:])]
     loss_fn = nn.MSELoss()
 
@@ -308,7 +306,7 @@ def halves_at_once(pools: tuple, small: dict) -> Callable:
     width, layers, chunks = small["width"], small["layers"], small["chunks"]
     for pool in pools:
         pool.build("lab.models:build", dict(name="mlp", blocks=layers // 2, width=width), chunks=chunks,
-                   checkpoint="never", threads_per_stage=1, **LEAN)
+                   checkpoint="never", threads_per_stage=1, **overhead.LEAN)
     loss_fn = nn.functional.mse_loss
 
     def step(x, y):

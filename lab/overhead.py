@@ -31,7 +31,7 @@ NEAR_EMPTY = peers.Workload(width=16, blocks=8, batch=64)
 MICROS = (1, 2, 4, 8, 16, 32, 64)
 STAGES = 2
 T = TypeVar("T")
-LEAN = {"record_memory": False}  # our pipes here keep no activation ledger: torch's and torchgpipe's keep none
+LEAN = {"record_memory": False}  # timed pipes keep no activation ledger (torch's and torchgpipe's keep none)
 
 
 def fitted(points: dict[int, float]) -> tuple[float, float]:
