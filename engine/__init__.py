@@ -15,7 +15,7 @@ Reading path, core first (each file has one job):
  7. transport.py  how a task's output reaches the next chunk between threads
  8. device.py, microbatch.py, partition.py, balance.py, batchnorm.py, rng.py, memory.py, trace.py
 Then the process plug-in, engine/distributed (its own docstring orders it): a RankRunner and a
-ProcessTransport over one of two Lanes. (lab.pool starts K local stage processes for the lab.)
+ProcessTransport over one of two Lanes. (lab.processes.pool starts K local stage processes for the lab.)
 
 Every name here loads the first time it is asked for: `engine.schedule` and `engine.trace` need no
 torch (the lab draws its theory diagrams from them while torch is still loading), and the thread

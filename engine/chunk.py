@@ -99,8 +99,8 @@ class Chunk:
         """Drop everything the call kept: graphs, kept inputs, outputs and the call itself (what a
         failed call left held in the ledger is released with them)."""
         state = self.state
-        for holding in [graph[3] for graph in state.graphs.values()] + [kept for _, kept in state.kept_inputs.values()] \
-                + [held for _, held in state.weight_work.values()]:
+        for holding in [graph[3] for graph in state.graphs.values()] \
+                + [kept for _, kept in state.kept_inputs.values()] + [held for _, held in state.weight_work.values()]:
             self._release(holding)
         self.randomness.finish()
         self.state = ChunkState()

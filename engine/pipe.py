@@ -57,9 +57,9 @@ class GPipe(nn.Module):
 
     def __init__(self, module: nn.Sequential, balance: Union[int, Sequence[int]], *,
                  devices: Optional[Sequence] = None, chunks: int = 1, checkpoint: str = "except_last",
-                 deferred_batch_norm: bool = False, seed: Optional[int] = None,
-                 threads_per_stage: Optional[int] = None, record_memory: bool = True,
-                 schedule: Union[str, schedules.Schedule] = "gpipe", group=None, virtual_stages: int = 1, data_parallel=None):
+                 deferred_batch_norm: bool = False, seed: Optional[int] = None, threads_per_stage: Optional[int] = None,
+                 record_memory: bool = True, schedule: Union[str, schedules.Schedule] = "gpipe",
+                 group=None, virtual_stages: int = 1, data_parallel=None):
         super().__init__()
         if data_parallel is not None and group is None:
             raise ValueError("data_parallel= needs group= too: replicas of a pipeline are processes, each running "
@@ -240,8 +240,8 @@ class GPipe(nn.Module):
                     micro_offset=0 if replicas is None else replicas.index * len(sizes),
                     schedule=tasks, checkpoint=self.checkpoint, recomputed=recomputed,
                     record_memory=training and self.record_memory,
-                    inputs=scatter(pinned(inputs, self.devices), self.micro_batches) if self._local.runs_first else None,
-                    targets=micro_targets, loss_fn=loss_fn if training else None)
+                    inputs=scatter(pinned(inputs, self.devices), self.micro_batches) if self._local.runs_first
+                    else None, targets=micro_targets, loss_fn=loss_fn if training else None)
 
 
 def _chunk_balance(balance: Union[int, Sequence[int]], layers: int, virtual: int, schedule: str) -> list[int]:

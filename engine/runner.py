@@ -39,7 +39,8 @@ class Runner(Protocol):
 
     def calling(self) -> ContextManager: ...                    # the scope of one call
     def agree(self, decision: Optional[Decision]) -> Decision: ...  # the first stage's decision, everywhere
-    def run(self, call: Call, on_event: EventCallback = None, serial: bool = False) -> tuple: ...  # (result, () -> trace)
+    # run gives (result, () -> trace)
+    def run(self, call: Call, on_event: EventCallback = None, serial: bool = False) -> tuple: ...
     def close(self) -> None: ...                                # stop threads, transports, groups
 
 
@@ -80,7 +81,7 @@ def run_tasks(local: LocalStages, work: Iterable[tuple[int, Task]], transport,
     except (Aborted, StageFailed):  # another stage failed: named where it happened
         raise
     except BaseException as exc:
-        raise name_place(exc, stage, task, prefix)
+        raise name_place(exc, stage, task, prefix)  # noqa: B904 (it is exc itself, renamed in place)
     finally:
         setup.close()
     return marks

@@ -18,7 +18,7 @@ with Controllable Memory").
 
 A `Schedule` is the task lists with a placement of chunks on stages (loop by default: chunk c on
 stage c % K); `check` explains the first thing wrong with one, or reports its unit-cost makespan,
-bubble and the most micro-batches a stage holds. (lab/schedule_writer.py reads and writes them as text.)
+bubble and the most micro-batches a stage holds. (lab/schedules/writer.py reads and writes them as text.)
 """
 from __future__ import annotations
 

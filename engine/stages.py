@@ -49,7 +49,8 @@ class LocalStages:
         for stage, device in self.devices.items():
             device.start(t0, origins.get(device.device))
             mine = [chunk for chunk in self.chunks.values() if chunk.stage == stage]
-            ledger = ActivationLedger([p for chunk in mine for p in chunk.parameters()] if mine and call.record_memory else ())
+            ledger = ActivationLedger([p for chunk in mine for p in chunk.parameters()]
+                                      if mine and call.record_memory else ())
             with device.on_stream():  # e.g. batch norm's counters, read back on this stream's timeline
                 for chunk in mine:
                     chunk.start(call, ledger)

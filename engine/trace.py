@@ -86,10 +86,10 @@ class StageMemory:
 @dataclass
 class Trace:
     """The record of the last `step()` or forward call of a GPipe. With stages as processes
-    (`group=`), `messages` holds what crossed between them, `transport` says "processes" and
-    `lane` how: "shared memory" (one host), "gloo", or "gloo+nccl" (payloads between GPUs on NCCL). With `data_parallel=`, `reductions` holds
-    each stage's gradient all-reduce with its replicas, and `replicas` says how many there are
-    (the trace itself is this pipeline's)."""
+    (`group=`), `messages` holds what crossed between them, `transport` says "processes" and `lane`
+    how: "shared memory" (one host), "gloo", or "gloo+nccl" (payloads between GPUs on NCCL). With
+    `data_parallel=`, `reductions` holds each stage's gradient all-reduce with its replicas, and
+    `replicas` says how many there are (the trace itself is this pipeline's)."""
 
     stages: int = 0
     micro_batches: int = 0
@@ -151,7 +151,8 @@ class Trace:
         """The events as a pandas DataFrame, one row per task, with a `duration` column."""
         import pandas as pd
 
-        frame = pd.DataFrame(self.to_records(), columns=["stage", "micro", "op", "start", "end", "device", "chunk", "host"])
+        frame = pd.DataFrame(self.to_records(),
+                             columns=["stage", "micro", "op", "start", "end", "device", "chunk", "host"])
         frame["duration"] = frame["end"] - frame["start"]
         return frame
 

@@ -26,9 +26,9 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from ..transport import StageFailed
 from . import wire
 from .wire import Arrival, Lost
-from ..transport import StageFailed
 from .works import until_completed
 
 HEADER_TAG, DATA_TAG, CLOCK_TAG = 1, 2, 3

@@ -124,5 +124,5 @@ def wait(works: list, check: Callable[[], None]) -> None:
             work.wait()
         except Exception as error:
             check()
-            raise StageFailed(f"the gradient all-reduce with the other replicas broke ({str(error).splitlines()[0][:200]}); "
-                              f"a replica's process has probably died") from None
+            raise StageFailed("the gradient all-reduce with the other replicas broke "
+                              f"({str(error).splitlines()[0][:200]}); a replica's process has probably died") from None

@@ -156,7 +156,8 @@ class RankRunner:
             theirs, their_total, later = self._read_end(transport.receive_control("end"), ranks.rank + 1)
             loss, total = (theirs, their_total) if loss is None else (loss, total)
         if not ranks.is_first:  # the later stages' pieces travel on as they came
-            transport.send_control(ranks.rank - 1, "end", _bytes(encode_end(loss, total) + encode_pieces([piece]) + later))
+            transport.send_control(ranks.rank - 1, "end",
+                                   _bytes(encode_end(loss, total) + encode_pieces([piece]) + later))
             done = transport.receive_control("done")
             loss, total = self._read_end(done, ranks.rank - 1)[:2] if self.relays else (loss, total)
         if not ranks.is_last:
@@ -236,7 +237,8 @@ def encode_end(loss: Optional[torch.Tensor], total: int) -> bytes:
     if loss is not None and loss.dtype not in LOSS_DTYPES:
         raise TypeError(f"the loss is a {loss.dtype} tensor; stages as processes pass on a loss of "
                         f"{', '.join(map(str, LOSS_DTYPES))}")
-    return END.pack(0, 0.0, 0, total) if loss is None else END.pack(1, loss.item(), LOSS_DTYPES.index(loss.dtype), total)
+    return END.pack(0, 0.0, 0, total) if loss is None \
+        else END.pack(1, loss.item(), LOSS_DTYPES.index(loss.dtype), total)
 
 
 def decode_end(data: bytes) -> tuple[Optional[torch.Tensor], int, int]:

@@ -274,7 +274,7 @@ class ShmLane:
     def close(self, step: int) -> None:
         """Say goodbye to every neighbour, close and unmap everything, sweep the pipe's files."""
         header, _ = wire.encode_header(step, "bye", 0, 0, wire.NO_DECISION, None)
-        for peer, fd in self._outboxes.items():
+        for fd in self._outboxes.values():
             try:
                 os.write(fd, RECORD.pack(RECORD.size + len(header), 0, 0) + header)
             except OSError as error:

@@ -24,13 +24,13 @@ from typing import NamedTuple, Optional, Protocol
 import torch
 import torch.distributed as dist
 
-from . import shm_lane, wire
-from .gloo_lane import GlooLane
-from .works import until_completed
-from .wire import Lost
 from ..call import Decision
 from ..microbatch import Value
 from ..transport import StageFailed
+from . import shm_lane, wire
+from .gloo_lane import GlooLane
+from .wire import Lost
+from .works import until_completed
 
 POLL_SECONDS = 0.05                            # how often a waiting rank looks for failures elsewhere
 STUCK_SECONDS = 2.0                            # a wait this long is posted; when every rank's is, a deadlock
@@ -166,7 +166,8 @@ class ProcessTransport:
         try:
             self.lane: Lane = self._open_lane(world, members, peers)
         except BaseException as error:  # told, so that the other ranks building the pipe stop too
-            note = str(error) if isinstance(error, StageFailed) else f"rank {ranks.rank}: {type(error).__name__}: {error}"
+            note = str(error) if isinstance(error, StageFailed) \
+                else f"rank {ranks.rank}: {type(error).__name__}: {error}"
             try:
                 self.shared.set("broken", note[:NOTE_CHARS])
             except Exception:  # the Store itself failed: the peers see that on their own
@@ -176,10 +177,10 @@ class ProcessTransport:
         self.clock_offset = self.lane.clock_offset(remote) if remote else 0.0
         self.step = -1
         self.decision: Optional[Decision] = None
-        self._arrived: dict = {}                      # (step, kind, micro, chunk) -> (value, NCCL works or None, sender)
-        self._decided = -1                            # the last call whose decision arrived
-        self._failure: Optional[StageFailed] = None   # a lost connection: every later wait raises it
-        self._log: list[tuple] = []                   # (step, *fields of a trace.Message), perf_counter times
+        self._arrived: dict = {}                     # (step, kind, micro, chunk) -> (value, NCCL works or None, sender)
+        self._decided = -1                           # the last call whose decision arrived
+        self._failure: Optional[StageFailed] = None  # a lost connection: every later wait raises it
+        self._log: list[tuple] = []                  # (step, *fields of a trace.Message), perf_counter times
         self._traffic: collections.Counter = collections.Counter()  # (step, "sent" | "received", peer) -> messages
         self._closed = False
         self.also_abort: list = []  # this rank's other NCCL groups (its replicas' sums): aborted with the lane's
@@ -357,8 +358,9 @@ class ProcessTransport:
         slow link can be for seconds), none can send what another waits for: a deadlock. Fail the
         call, naming each rank's wait. Returns what this rank posted."""
         step, kind, micro, chunk = key
-        what = f"{'FB'[kind == 'grad']}{micro} from stage {self.placement[chunk + (kind == 'grad') - (kind == 'act')]}" \
-            if kind in ("act", "grad") else f"its {kind!r} message"
+        what = (f"{'FB'[kind == 'grad']}{micro} from stage "
+                f"{self.placement[chunk + (kind == 'grad') - (kind == 'act')]}") if kind in ("act", "grad") \
+            else f"its {kind!r} message"
         peers = range(self.ranks.size)
         counts = [[self._traffic[(step, way, peer)] for peer in peers] for way in ("sent", "received")]
         note = f"{json.dumps(counts)}\nstage {self.ranks.rank} waits for {what}"
@@ -394,7 +396,8 @@ class ProcessTransport:
         self._traffic[(self.step, "sent", destination)] += 1
         if kind in ("act", "grad"):
             self._log.append((self.step, self.ranks.rank, destination, "send", kind, micro, sum(
-                t.numel() * t.element_size() for t in wire.describe(value)[1] if t is not None), start, time.perf_counter()))
+                t.numel() * t.element_size() for t in wire.describe(value)[1] if t is not None), start,
+                time.perf_counter()))
 
     def close(self) -> None:
         """Close the lane: its threads, groups or shared memory (every rank calls it)."""
