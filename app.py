@@ -11,10 +11,29 @@ from typing import Optional
 
 import streamlit as st
 
-from lab import breakdown, charts, replay, schedule_writer, theory  # like lab.config, no torch: see open_page
-from lab.config import (APP_DEFAULT, BALANCES, MEASURE_WARMUP, MODEL_CARDS, PAGE_BATCHES, PAGE_BLOCKS, PAGE_MICRO,
-                        PAGE_PINS, PAGE_SEED, PAGE_STAGES, PAGE_WIDTHS, SCHEDULE_ORDER, SCHEDULES, RunConfig, check,
-                        check_page, chunks_offered, measure_rounds, micro_batch_count, visible_gpus)
+from lab import theory  # like lab.config, no torch: see open_page
+from lab.config import (
+    APP_DEFAULT,
+    BALANCES,
+    MEASURE_WARMUP,
+    PAGE_MICRO,
+    PAGE_PINS,
+    PAGE_SEED,
+    PAGE_STAGES,
+    SCHEDULE_ORDER,
+    SCHEDULES,
+    RunConfig,
+    check,
+    check_page,
+    chunks_offered,
+    measure_rounds,
+    micro_batch_count,
+    visible_gpus,
+)
+from lab.schedules import writer as schedule_writer
+from lab.timelines import breakdown, replay
+from lab.views import charts
+from lab.zoo import CARDS
 
 RECOMPUTE = {"on, except the last micro-batch": "except_last", "on, every micro-batch": "always", "off": "never"}
 TRANSPORTS = {"processes": "one process per stage (torch.distributed, gloo)", "threads": "threads in this process"}
@@ -33,14 +52,15 @@ def measured_run(config: RunConfig) -> RunRecord:
     the ideal replay); cached."""
     record = _handed_over.pop(config, None)
     if record is None:
-        record = run(config, replay=True, rounds=measure_rounds(), baseline=True, warmup=MEASURE_WARMUP)
+        record = run(config, replay=True, rounds=measure_rounds(), baseline=True, warmup=MEASURE_WARMUP,
+                     pools=SHARED)
     return record
 
 
 @st.cache_data(max_entries=200, show_spinner=False)
 def side_run(config: RunConfig, warmup: int) -> RunRecord:
     """A configuration run only for comparison (K=1 baseline, the other recompute setting); cached."""
-    return run(config, warmup=warmup)
+    return run(config, warmup=warmup, pools=SHARED)
 
 
 @st.cache_data(max_entries=20, show_spinner=False)
@@ -52,12 +72,13 @@ def speedup_cells(config: RunConfig) -> list:
 def schedule_runs(config: RunConfig) -> tuple[list, list[str]]:
     """The four schedules at these settings (and why any was left out); cached."""
     skipped: list[str] = []
-    return list(schedule_race.compare(config, virtual=max(2, config.virtual_stages), skipped=skipped)), skipped
+    runs = schedule_race.compare(config, virtual=max(2, config.virtual_stages), skipped=skipped, pools=SHARED)
+    return list(runs), skipped
 
 
 @st.cache_data(max_entries=20, show_spinner=False)
 def time_went(config: RunConfig) -> tuple:
-    """The measured run's median step and the K=1 step beside it, taken apart (lab.breakdown); the
+    """The measured run's median step and the K=1 step beside it, taken apart (lab.timelines.breakdown); the
     step's tasks are timed alone here if the run did not time them; cached."""
     record = measured_run(config)
     return breakdown.of_record(record, breakdown.alone_events(record)), breakdown.of_baseline(record)
@@ -65,7 +86,7 @@ def time_went(config: RunConfig) -> tuple:
 
 @st.cache_data(max_entries=20, show_spinner=False)
 def bubble_points(config: RunConfig) -> list:
-    return speedup.bubble_points(config)
+    return speedup.bubble_points(config, pools=SHARED)
 
 
 def slider(label: str, low: int, high: int, value: int, key: str) -> int:
@@ -81,13 +102,13 @@ def slider(label: str, low: int, high: int, value: int, key: str) -> int:
 def controls() -> RunConfig:
     side = st.sidebar
     side.header("Pipeline")
-    model = side.selectbox("model", list(MODEL_CARDS), index=list(MODEL_CARDS).index(APP_DEFAULT.model), key="model",
-                           format_func=lambda m: f"{m}: {MODEL_CARDS[m].description}")
-    blocks = slider(f"blocks (the model has blocks + {MODEL_CARDS[model].extra_layers} layers)", 1, PAGE_BLOCKS[model],
-                    APP_DEFAULT.blocks, key=f"blocks-{model}")
-    widths = PAGE_WIDTHS[model]
-    width = side.select_slider("width", widths, value=widths[-1] if model != "mlp" else 512, key=f"width-{model}")
-    batch = side.select_slider("mini-batch N", PAGE_BATCHES[model], value=APP_DEFAULT.batch, key=f"batch-{model}")
+    model = side.selectbox("model", list(CARDS), index=list(CARDS).index(APP_DEFAULT.model), key="model",
+                           format_func=lambda m: f"{m}: {CARDS[m].description}")
+    card = CARDS[model]
+    blocks = slider(f"blocks (the model has blocks + {card.extra_layers} layers)", 1, card.page_blocks,
+                    min(APP_DEFAULT.blocks, card.page_blocks), key=f"blocks-{model}")
+    width = side.select_slider("width", card.page_widths, value=card.page_width, key=f"width-{model}")
+    batch = side.select_slider("mini-batch N", card.page_batches, value=card.page_batch, key=f"batch-{model}")
     stages = slider("stages K", 1, PAGE_STAGES, APP_DEFAULT.stages, key="stages")
     micro = slider("micro-batches M", 1, PAGE_MICRO, APP_DEFAULT.micro_batches, key="micro")
     recompute = RECOMPUTE[side.radio("re-materialization (recompute)", list(RECOMPUTE), key="recompute")]
@@ -96,8 +117,8 @@ def controls() -> RunConfig:
     offered = chunks_offered(schedule)
     virtual = (slider("chunks per stage v", offered[0], offered[-1], offered[0], key="virtual")
                if len(offered) > 1 else offered[0])
-    balance = side.radio("balance", BALANCES, key="balance", format_func={"uniform": "equal layer counts", "time": "by measured time",
-                                                           "size": "by memory"}.get)
+    said = {"uniform": "equal layer counts", "time": "by measured time", "size": "by memory"}
+    balance = side.radio("balance", BALANCES, key="balance", format_func=said.get)
     gpus = visible_gpus()
     device = side.radio("stages run on", ("cpu", "cuda"), key="device", horizontal=True,
                         format_func={"cpu": "CPU cores", "cuda": f"GPUs ({gpus} here)"}.get) if gpus else "cpu"
@@ -154,7 +175,7 @@ def live_run(config: RunConfig, chart) -> RunRecord:
                        "starts as soon as that one is done.")
 
         _handed_over[config] = run(config, on_event=on_event, replay=True, on_wait=on_wait, rounds=measure_rounds(),
-                                   baseline=True, warmup=MEASURE_WARMUP)
+                                   baseline=True, warmup=MEASURE_WARMUP, pools=SHARED)
         chart.empty()
         if waiting:
             st.session_state.setdefault("waited", {})[config] = time.perf_counter() - waiting[0]
@@ -218,7 +239,8 @@ def show_numbers(record: RunRecord, config: RunConfig) -> None:
                f"the unit-cost ideal without recompute, K·M/(M+K-1), is "
                f"{theory.ideal_speedup(config.stages, micro):.2f}x.")
     if micro < 4 * config.stages:
-        st.caption(f"Rule of thumb from the paper: M >= 4K, here M >= {4 * config.stages}, makes the bubble negligible.")
+        st.caption(f"Rule of thumb from the paper: M >= 4K, here M >= {4 * config.stages}, makes the bubble "
+                   "negligible.")
     st.caption("The measured speedup can exceed K·M/(M+K-1): the K=1 step runs M small micro-batches one after "
                f"another on one {unit}, while each stage of the pipeline keeps only its own layers' weights and "
                "activations hot in its cache.")
@@ -228,7 +250,7 @@ def show_numbers(record: RunRecord, config: RunConfig) -> None:
 
 def show_time_went(config: RunConfig) -> None:
     """Where the median step's time went, beside the K=1 step's, and the speedup's shortfall from K as
-    the difference of the two, part by part (lab.breakdown defines the parts)."""
+    the difference of the two, part by part (lab.timelines.breakdown defines the parts)."""
     step, single = time_went(config)
     stages = config.stages
     figures = [charts.waterfall(step.parts, step.step, f"Where the time went: K={stages}, median step")]
@@ -371,7 +393,8 @@ def show_schedules(config: RunConfig) -> None:
                    "bubble": f"{r.timeline.bubble:.0%}", "bubble, theory": f"{r.theory_bubble:.0%}",
                    "makespan (ms)": round(r.timeline.makespan * 1e3, 1),
                    "activation peak per stage (KiB)": ", ".join(f"{p / 1024:.0f}" for p in r.peaks),
-                   "predicted (KiB)": ", ".join(f"{m['predicted_activation_bytes'] / 1024:.0f}" for m in r.record.memory),
+                   "predicted (KiB)": ", ".join(f"{m['predicted_activation_bytes'] / 1024:.0f}"
+                                                for m in r.record.memory),
                    "micro-batches held, theory": ", ".join(f"{n:g}" for n in r.theory_in_flight())}
                   for r in runs], hide_index=True)
 
@@ -421,21 +444,7 @@ def show_writer(record: RunRecord, config: RunConfig) -> None:
     micro = micro_batch_count(config)
     left, right = st.columns([1, 3])
     name = left.selectbox("start from", schedule_writer.PRESETS, key="writer_preset")
-    wanted, before = (name, config.stages, micro, config.checkpoint), st.session_state.get("writer_for")
-    if "writer_text" not in st.session_state and "writer_saved" in st.session_state:  # a run that failed drew no
-        st.session_state["writer_text"] = st.session_state["writer_saved"]             # box, and Streamlit forgot it
-    if before != wanted:  # a new preset, or new settings for a preset's text nobody edited: the preset's text
-        st.session_state["writer_for"] = wanted
-        edited = st.session_state.get("writer_text") != st.session_state.get("writer_preset_text")
-        if before is not None and before[0] == name and edited:
-            left.info(f"Your text stays as you wrote it, for K = {before[1]}, M = {before[2]}; pick a preset to "
-                      f"start again from one at these settings.")
-        else:
-            try:
-                st.session_state["writer_text"] = st.session_state["writer_preset_text"] = schedule_writer.preset(
-                    name, config.stages, micro, config.checkpoint)
-            except ValueError as error:
-                left.warning(f"{name} at these settings: {error}")
+    load_preset(left, name, config, micro)
     as_written = left.checkbox("recompute as written", key="writer_as_written",
                                help="The R's you write decide which micro-batches each stage recomputes (any of "
                                     "them, on any stage). Off: they must match the sidebar's recompute setting.")
@@ -446,19 +455,50 @@ def show_writer(record: RunRecord, config: RunConfig) -> None:
     st.session_state["writer_saved"] = text
     verdict = schedule_writer.examine(text, micro, mode)
     (st.success if verdict.legal else st.error)(verdict.line)
-    if not verdict.legal:
+    if verdict.legal and show_predicted(verdict, record, config):
+        run_written(left, verdict, config, mode)
+
+
+def load_preset(left, name: str, config: RunConfig, micro: int) -> None:
+    """Put the preset's text in section 9's box when the preset or the settings change, unless the
+    learner edited the preset's text: then it stays, and the page says so."""
+    wanted, before = (name, config.stages, micro, config.checkpoint), st.session_state.get("writer_for")
+    if "writer_text" not in st.session_state and "writer_saved" in st.session_state:  # a run that failed drew no
+        st.session_state["writer_text"] = st.session_state["writer_saved"]             # box, and Streamlit forgot it
+    if before == wanted:
         return
-    fits = len(verdict.schedule) == config.stages   # this setting's measured tasks can replay it, and it can run
+    st.session_state["writer_for"] = wanted
+    edited = st.session_state.get("writer_text") != st.session_state.get("writer_preset_text")
+    if before is not None and before[0] == name and edited:
+        left.info(f"Your text stays as you wrote it, for K = {before[1]}, M = {before[2]}; pick a preset to "
+                  f"start again from one at these settings.")
+        return
+    try:
+        st.session_state["writer_text"] = st.session_state["writer_preset_text"] = schedule_writer.preset(
+            name, config.stages, micro, config.checkpoint)
+    except ValueError as error:
+        left.warning(f"{name} at these settings: {error}")
+
+
+def show_predicted(verdict, record: RunRecord, config: RunConfig) -> bool:
+    """A legal schedule's unit-cost diagram and, where it has this setting's K, its replay on the
+    measured tasks; whether it has (then it can run)."""
+    fits = len(verdict.schedule) == config.stages
     predicted = [schedule_writer.unit_cost(verdict.schedule)]
     if fits:
+        messages = schedule_writer.message_seconds(record.messages)
         predicted.append(schedule_writer.replayed(verdict.schedule, record.solo_events or record.events,
-                                                  config.virtual_stages, schedule_writer.message_seconds(record.messages)))
+                                                  config.virtual_stages, messages))
     st.plotly_chart(charts.stacked_gantt(predicted, [f"{line.label}: bubble {line.bubble:.0%}" for line in predicted]),
                     key="writer_predicted")
     if not fits:
         st.info(f"It has {len(verdict.schedule)} stages, these settings {config.stages}: set K = "
                 f"{len(verdict.schedule)} in the sidebar to replay it on measured tasks and run it.")
-        return
+    return fits
+
+
+def run_written(left, verdict, config: RunConfig, mode: str) -> None:
+    """The cap's line, if one is typed, and on "run it" a real step of the schedule beside GPipe's."""
     cap = left.number_input("activation cap per stage (KiB; 0: none)", min_value=0, value=0, step=16,
                             key="writer_cap")
     if cap:
@@ -590,9 +630,14 @@ if "torch" not in sys.modules:
     # the theory diagram first (on 2 cores the diagram then shows after ~6 s instead of ~8 s).
     time.sleep(BROWSER_HEAD_START_SECONDS)
 # Only now the engine and torch load (seconds, the first time this server runs the page).
-from lab import processes, schedule_race, schedule_search, speedup, tables  # noqa: E402
-from lab.experiments import RunRecord, run  # noqa: E402
-from lab.processes import StageProcessError  # noqa: E402
-from lab.verdict import compare as compare_rounds  # noqa: E402
+from lab.processes import shared as processes  # noqa: E402
+from lab.processes.shared import StageProcessError  # noqa: E402
+from lab.processes.sources import SHARED  # noqa: E402  (every session's runs share one pool)
+from lab.runs.experiments import RunRecord, run  # noqa: E402
+from lab.schedules import race as schedule_race  # noqa: E402
+from lab.schedules import search as schedule_search  # noqa: E402
+from lab.studies import speedup  # noqa: E402
+from lab.timelines.verdict import compare as compare_rounds  # noqa: E402
+from lab.views import tables  # noqa: E402
 
 main(*opening)

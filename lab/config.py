@@ -1,8 +1,8 @@
-"""What a run of the lab is, without torch: its settings (RunConfig) and their checks, the model
-zoo's catalog, and the app's defaults.
+"""What a run of the lab is, without torch: its settings (RunConfig) and their checks, and the
+app's defaults (a model's own ranges are on its card, lab.zoo).
 
 Nothing here imports torch, which takes seconds to load on a cold start: the app draws its
-controls and the theory diagram from this module (and lab.replay, lab.charts) while it loads.
+controls and the theory diagram from this module (and lab.timelines.replay, lab.views.charts) while it loads.
 """
 from __future__ import annotations
 
@@ -14,34 +14,7 @@ from dataclasses import dataclass, replace
 from typing import Optional
 
 from engine.schedule import SCHEDULES, check_checkpoint_mode, check_layout, check_schedule
-
-
-@dataclass(frozen=True)
-class ModelCard:
-    """A zoo model as a learner chooses it: its name, what it is, and how many layers of the
-    nn.Sequential are not blocks (lab.models builds it)."""
-
-    name: str
-    description: str
-    extra_layers: int                                  # Sequential entries besides the blocks
-
-    def layer_count(self, blocks: int) -> int:
-        return blocks + self.extra_layers
-
-
-MODEL_CARDS = {card.name: card for card in (
-    ModelCard("mlp", "uniform stack of Linear+ReLU blocks learning a random teacher", extra_layers=0),
-    ModelCard("transformer", "character-level Transformer language model on a short story", extra_layers=2),
-    ModelCard("cnn", "uneven convolutional network with batch norm classifying bars and blobs", extra_layers=2),
-)}
-
-
-def card(name: str) -> ModelCard:
-    """The zoo model called `name`, or a ValueError listing the choices."""
-    if name not in MODEL_CARDS:
-        raise ValueError(f"unknown model {name!r}; expected one of {sorted(MODEL_CARDS)}")
-    return MODEL_CARDS[name]
-
+from lab.zoo import card
 
 BALANCES = ("uniform", "time", "size")
 TRANSPORTS = ("threads", "processes")
@@ -88,9 +61,6 @@ MEASURE_WARMUP, MEASURE_ROUNDS, MAX_ROUNDS = 4, 11, 100
 # seconds on 2 CPU cores (the defaults, the last widths, make ops big enough that two stage threads
 # overlap well). The app checks every setting against them again (check_page), whatever the
 # request said: a hand-edited session or request cannot start work beyond them.
-PAGE_WIDTHS = {"mlp": (128, 256, 512, 1024), "transformer": (32, 64, 128), "cnn": (8, 16, 32)}
-PAGE_BATCHES = {"mlp": (4, 8, 16, 32, 64), "transformer": (4, 8, 16, 32), "cnn": (4, 8, 16, 32, 64)}
-PAGE_BLOCKS = {"mlp": 8, "transformer": 6, "cnn": 8}  # the most blocks
 PAGE_STAGES, PAGE_MICRO, PAGE_VIRTUAL, PAGE_SEED = 8, 64, (2, 4), 10_000  # the most K, M; v's range; the last seed
 PAGE_PINS = 8  # pinned runs a session keeps (the latest)
 
@@ -146,7 +116,8 @@ def check(config: RunConfig) -> None:
         raise ValueError("device='cuda' but this host has no CUDA GPU (torch.cuda.is_available() is False)")
     if config.device == "cuda" and config.transport == "processes":
         import torch
-        from .host import stage_processes_refused_here  # what ProcessPool would refuse, said before a run
+
+        from lab.machine.host import stage_processes_refused_here  # what ProcessPool would refuse, said before a run
         refused = stage_processes_refused_here(config.stages, torch.cuda.is_initialized())
         if refused:
             raise ValueError(f"K={config.stages} stage processes on GPUs: {refused}")
@@ -167,9 +138,9 @@ def chunks_offered(schedule: str):
 
 def check_page(config: RunConfig) -> None:
     """Raise ValueError if `config` is beyond what the app's controls offer (PAGE_*)."""
-    card(config.model)
-    offered = {"blocks": (config.blocks, range(1, PAGE_BLOCKS[config.model] + 1)),
-               "width": (config.width, PAGE_WIDTHS[config.model]), "batch": (config.batch, PAGE_BATCHES[config.model]),
+    model = card(config.model)
+    offered = {"blocks": (config.blocks, range(1, model.page_blocks + 1)),
+               "width": (config.width, model.page_widths), "batch": (config.batch, model.page_batches),
                "K": (config.stages, range(1, PAGE_STAGES + 1)), "M": (config.micro_batches, range(1, PAGE_MICRO + 1)),
                "v": (config.virtual_stages, chunks_offered(config.schedule)),
                "seed": (config.seed, range(PAGE_SEED + 1)), "threads per stage": (config.threads_per_stage, (1,))}
@@ -222,3 +193,6 @@ def nvidia_smi(args: list[str], smi: tuple[str, ...] = NVIDIA_SMI) -> Optional[s
 def _cuda_available() -> bool:
     import torch  # the one check that needs torch, loaded only when a GPU is asked for
     return torch.cuda.is_available()
+
+
+check_page(APP_DEFAULT)  # the page opens with what it offers

@@ -11,7 +11,7 @@ passed.
     python -m lab.doctor --no-cli   # leave out the slowest GPU row (lab.reproduce --quick on cuda)
     python -m lab.doctor --report [--out FILE]   # one markdown file to send back from a GPU host
 
---report runs, within 8 minutes on one GPU, the rows, tests/test_cuda.py, `lab.reproduce speedup`
+--report runs, within 8 minutes on one GPU, the rows, tests/engine/test_cuda.py, `lab.reproduce speedup`
 and `memory --device cuda --quick` and a 2-rank `lab.train --device cuda` under torchrun on
 loopback, each bounded in time, and writes every figure, the versions, and each part's exit status
 and the tail of its output to FILE (gpu-report.md). Without a GPU the GPU parts say so.
@@ -19,60 +19,58 @@ and the tail of its output to FILE (gpu-report.md). Without a GPU the GPU parts 
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import platform
 import shutil
-import signal
-import subprocess
 import sys
 import tempfile
-import threading
 import time
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
 from engine import GPipe
-from engine.schedule import SCHEDULES, Task, upstream
-
-from . import host
-from .allreduce import time_all_reduce
-from .config import nvidia_smi
-from .exactness import unpipelined_gradients
-from .launch import ROOT, free_port
-from .loopback import loopback_interface
-from .models import build_mlp, mlp_batch
-from .process_tree import descendants, kill
-from .stepper import Stepper
+from engine.schedule import SCHEDULES
+from lab.checkup import subprocesses
+from lab.checkup.comparisons import (
+    CHECK_MODEL,
+    GPU_TOLERANCE,
+    LOSS,
+    MICRO,
+    batch,
+    check_model,
+    gradients,
+    largest_difference,
+    out_of_order,
+    relative_difference,
+    trace_slack,
+    unpipelined,
+)
+from lab.checkup.report import (
+    REPORT_ROWS_SECONDS,
+    REPORT_SECONDS,
+    Row,
+    report_parts,
+    report_text,
+    run_part,
+)
+from lab.config import nvidia_smi
+from lab.machine import host
+from lab.machine.torchrun import free_port
+from lab.runs.stepper import Stepper
+from lab.studies.allreduce import time_all_reduce
+from lab.zoo import mlp
 
 Check = Callable[[], str]   # returns what it saw; raises (AssertionError or any error) if it failed
-BATCH, MICRO = 16, 4
-CPU_SLACK = 1e-6       # seconds a task may seem to start before its input was ready: perf_counter's rounding
-GPU_TOLERANCE = 1e-5   # float32 on GPUs, relative to the largest value: cuBLAS promises no bitwise equality
-#                        across streams (nor across processes, whose kernels may be chosen differently)
 ROW_SECONDS = 240      # at most, for one GPU row in its own process
-REPORT_SECONDS = 480   # --report: the rows and every part together, on one GPU
-REPORT_ROWS_SECONDS = 180  # of which the rows get at most this; the parts share the rest (`part_limit`)
 NCCL_ROW_SECONDS = 60  # of the rows' time, kept for the NCCL row (it comes last), whatever the rows before it take
-MIN_PART_SECONDS = 5   # a part is not started with less time left than this
-PART_GRACE_SECONDS = 20  # a part out of time gets a Ctrl-C this long before it is killed, to write its rows
 
 
-@dataclass(frozen=True)
-class Row:
-    """One check's outcome."""
-
-    name: str
-    passed: bool
-    seconds: float
-    detail: str
 
 
 def versions() -> list[tuple[str, str]]:
@@ -112,86 +110,6 @@ def gpu_facts() -> list[tuple[str, str]]:
     return lines
 
 
-# --- what every check trains -------------------------------------------------------------------
-
-CHECK_MODEL = "lab.models:build_mlp"   # by name: stage processes build it too
-LOSS = nn.functional.mse_loss
-
-
-def check_model(width: int = 32) -> dict:
-    """The recipe of the model every check trains: six Linear/Tanh blocks (smooth gradients)."""
-    return dict(blocks=6, width=width, activation="tanh")
-
-
-def batch(width: int = 32, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
-    """The check model's mini-batch (lab.models.mlp_batch), the same on every call."""
-    return tuple(t.to(dtype) for t in mlp_batch(BATCH, width, seed=1))
-
-
-def gradients(devices, stages: int, dtype=torch.float32, **options) -> tuple[list[torch.Tensor], object]:
-    """The gradients (on the CPU) and trace of one step of the check model as K stages on `devices`."""
-    model = build_mlp(**check_model()).to(dtype)
-    with Stepper(CHECK_MODEL, check_model(), stages, model=model, devices=devices, chunks=MICRO,
-                 threads_per_stage=1, **options) as stepper:
-        _, trace, _ = stepper.step(*batch(dtype=dtype), LOSS)
-        return stepper.gradients(), trace
-
-
-def unpipelined(dtype=torch.float64) -> list[torch.Tensor]:
-    """The same step on the whole mini-batch, no pipeline: the reference every schedule must give."""
-    return unpipelined_gradients(build_mlp(**check_model()), *batch(), LOSS, dtype)
-
-
-def largest_difference(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
-    """The largest elementwise difference between two lists of tensors."""
-    return max((x.double() - y.double()).abs().max().item() for x, y in zip(a, b))
-
-
-def relative_difference(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
-    """largest_difference over the largest magnitude in `b` (the reference)."""
-    return largest_difference(a, b) / (max(y.double().abs().max().item() for y in b) or 1.0)
-
-
-def origin_skew(rounds: int = 20) -> float:
-    """How far apart two GPUs' time origins of one call can be, measured: the engine records one
-    origin event per GPU, one after another, once all are idle (LocalStages.start). None lands
-    before the recording starts and all have landed once each event completes, so that host time
-    bounds the gap; the largest over `rounds` tries. 0 with one GPU: its stages share one origin."""
-    count = torch.cuda.device_count()
-    worst = 0.0
-    for _ in range(rounds if count > 1 else 0):
-        for gpu in range(count):
-            torch.cuda.synchronize(gpu)
-        start = time.perf_counter()
-        events = [torch.cuda.Event(enable_timing=True) for _ in range(count)]
-        for gpu, event in enumerate(events):
-            event.record(torch.cuda.current_stream(gpu))
-        for event in events:
-            event.synchronize()
-        worst = max(worst, time.perf_counter() - start)
-    return worst
-
-
-def trace_slack(device: str) -> float:
-    """Seconds by which a task may seem to start before its input was ready in a trace on `device`:
-    the clock's rounding on a CPU, the GPUs' measured origin skew on GPUs."""
-    return max(CPU_SLACK, origin_skew()) if device == "cuda" else CPU_SLACK
-
-
-def out_of_order(trace, slack: float = CPU_SLACK) -> list[str]:
-    """Tasks that started before the task that produced their input had ended, by more than `slack`
-    seconds (trace_slack: on several GPUs their time origins are apart by up to the origin skew)."""
-    ends = {(e.chunk, e.micro, e.op): e.end for e in trace.events}
-    chunks = 1 + max(e.chunk for e in trace.events)
-    late = []
-    for e in trace.events:
-        before = upstream(Task(e.op, e.micro, e.chunk), chunks)
-        if before is not None and e.start < ends[(before.chunk, before.micro, before.op)] - slack:
-            late.append(f"{e.op}{e.micro} of chunk {e.chunk}")
-    return late
-
-
-# --- the checks ----------------------------------------------------------------------------------
 
 def threads_equal_one_stage() -> str:
     """K=2 as stage threads on the CPU gives K=1's gradients bit for bit."""
@@ -208,7 +126,7 @@ def processes_equal_threads(lane: str = "auto", device: str = "cpu") -> Check:
     GPU_TOLERANCE on GPUs. The processes run first: in EXCLUSIVE_PROCESS mode they need GPUs that no
     context of this process holds yet."""
     def check() -> str:
-        from .pool import ProcessPool
+        from lab.processes.pool import ProcessPool
         x, y = batch()
         with ProcessPool(2, timeout=120, lane=lane, device=device) as pool:
             loss, trace, _ = Stepper(CHECK_MODEL, check_model(), 2, pool=pool, chunks=MICRO).step(x, y, LOSS)
@@ -252,7 +170,8 @@ def trace_in_order(device: str) -> Check:
         _, trace = gradients(device, 2)
         late = out_of_order(trace, slack)
         assert not late, f"started before their input was ready: {', '.join(late[:4])}"
-        return f"{len(trace.events)} tasks of K=2, each after the task that produced its input (within {slack * 1e6:.0f} us)"
+        return (f"{len(trace.events)} tasks of K=2, each after the task that produced its input "
+                f"(within {slack * 1e6:.0f} us)")
     return check
 
 
@@ -286,8 +205,8 @@ def serial_alone(device: str) -> Check:
     """A serial step on `device` (its GPUs) runs one task at a time: no two overlap (beyond the origin skew)."""
     def check() -> str:
         slack = trace_slack(device)
-        model = build_mlp(**check_model(width=256))
-        x, y = mlp_batch(256, 256)
+        model = mlp.build(**check_model(width=256))
+        x, y = mlp.batch(256, 256)
         pipe = GPipe(model, 2, devices=device, chunks=MICRO)
         try:
             pipe.step(x, y, LOSS, serial=True)
@@ -301,8 +220,8 @@ def serial_alone(device: str) -> Check:
 
 
 def gpu_sets_the_pace() -> str:
-    """The quick Table 2's Transformer, sized on this GPU (lab.speedup.sized_for_gpu), judged by `climbed`."""
-    from lab import speedup
+    """The quick Table 2's Transformer, sized on this GPU (lab.studies.speedup.sized_for_gpu), judged by `climbed`."""
+    from lab.studies import speedup
     return climbed(speedup.gpu_sizing(quick=True, transport=speedup.table_transport("cuda")))  # as reproduce sizes it
 
 
@@ -312,7 +231,7 @@ def climbed(sizing) -> str:
     Whether the quick sizes reach GPU_TARGET is said, not required: on a fast GPU they stay
     launch-bound (both times about equal, whatever the size), and `lab.reproduce speedup --device
     cuda` climbs the full ladder."""
-    from lab import speedup
+    from lab.studies import speedup
     ratios = sizing.ratios
     assert len(ratios) == 8 and all(0 < r < float("inf") for r in ratios), \
         f"the sizing measured no usable rung: ratios {ratios}, tried {sizing.tried}"
@@ -320,71 +239,12 @@ def climbed(sizing) -> str:
     said = ", ".join(f"{r:.1f}" for r in ratios)
     return (f"quick Table 2 model sized to width {sizing.config.width}, batch {sizing.config.batch}: GPU time "
             f"over host time per task, per stage at K=8, M=32: {said} (target {speedup.GPU_TARGET:g}x "
-            + ("met)" if met else "not met by the quick sizes; `lab.reproduce speedup --device cuda` grows it further)"))
+            + ("met)" if met
+               else "not met by the quick sizes; `lab.reproduce speedup --device cuda` grows it further)"))
 
-
-@contextmanager
-def ctrl_c_passed_on():
-    """Children started inside get Ctrl-C's default action even where this process ignores it, as a
-    shell's background job (`python -m lab.doctor --report &`) does: an ignored signal stays ignored
-    across exec, a handled one does not, so the doctor handles it while it starts them."""
-    ignored = signal.getsignal(signal.SIGINT) is signal.SIG_IGN and threading.current_thread() is threading.main_thread()
-    if ignored:
-        signal.signal(signal.SIGINT, signal.default_int_handler)
-    try:
-        yield
-    finally:
-        if ignored:
-            signal.signal(signal.SIGINT, signal.SIG_IGN)
-
-
-def bounded(args: list[str], seconds: float, env: Optional[dict] = None,
-            grace: float = 0.0) -> tuple[Optional[int], str]:
-    """Run `python args...` in the project for at most `seconds`, then stop it and everything it
-    started (torchrun's workers, stage processes); its exit code (None if it ran out of time) and
-    its output, stdout and stderr together. With `grace`, the last `grace` of those seconds begin
-    with a Ctrl-C (SIGINT) to the command alone, so that it can write what it finished
-    (lab.reproduce writes its finished rows)."""
-    with tempfile.TemporaryFile("w+") as log, ctrl_c_passed_on():
-        process = subprocess.Popen([sys.executable, *args], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, text=True,
-                                   start_new_session=True,  # unbuffered: a stopped command's last lines are kept
-                                   env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
-        tree: list[int] = []
-        try:
-            code = process.wait(timeout=max(seconds - grace, 0.0))
-        except subprocess.TimeoutExpired:
-            code = None
-            if grace > 0:
-                tree = descendants(process.pid)  # as it was when interrupted: it may exit and orphan them
-                process.send_signal(signal.SIGINT)
-                try:
-                    process.wait(timeout=grace)
-                except subprocess.TimeoutExpired:
-                    pass
-        finally:
-            tree = [*tree, *descendants(process.pid)]  # torchrun's workers run in sessions of their own
-            try:
-                os.killpg(process.pid, signal.SIGKILL)  # whatever is left of it
-            except ProcessLookupError:
-                pass
-            kill(tree)
-            process.wait()
-        log.seek(0)
-        return code, log.read()
-
-
-def run_module(args: list[str], timeout: float, env: Optional[dict] = None) -> str:
-    """Run `python args...` (a torchrun or lab command) in the project; its output, or an error with it."""
-    code, output = bounded(args, timeout, env)
-    if code != 0:
-        ended = f"ran out of its {timeout:.0f} s" if code is None else f"exited with {code}"
-        raise RuntimeError(f"`python {' '.join(args)}` {ended}: {output.strip().splitlines()[-1:]}")
-    return output
 
 
 LOSS_TOLERANCE = 1e-4  # relative, a few float32 Adam steps on different GPUs and streams
-NCCL_ON_LOOPBACK = {"NCCL_DEBUG": "INFO", "NCCL_DEBUG_SUBSYS": "INIT",  # says when NCCL makes a communicator
-                    **dict.fromkeys(("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"), loopback_interface())}
 
 
 def nccl_two_gpus() -> str:
@@ -395,10 +255,11 @@ def nccl_two_gpus() -> str:
     train = ["-m", "lab.train", "--steps", "3", "--log-every", "1", "--device", "cuda"]
     with tempfile.TemporaryDirectory() as folder:
         reference, ranks = Path(folder) / "threads.json", Path(folder) / "nccl.json"
-        run_module([*train, "--stages", "2", "--trace-out", str(reference)], timeout=ROW_SECONDS / 2 - 5)
-        out = run_module(["-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2", "--rdzv-backend",
-                          "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}", *train, "--trace-out", str(ranks)],
-                         timeout=ROW_SECONDS / 2 - 5, env=NCCL_ON_LOOPBACK)
+        subprocesses.run_module([*train, "--stages", "2", "--trace-out", str(reference)], timeout=ROW_SECONDS / 2 - 5)
+        out = subprocesses.run_module(["-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2",
+                                       "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}", *train,
+                                       "--trace-out", str(ranks)],
+                                      timeout=ROW_SECONDS / 2 - 5, env=subprocesses.NCCL_ON_LOOPBACK)
         expected, got = (json.loads(path.read_text()) for path in (reference, ranks))
     communicators = out.count("Init COMPLETE")
     assert got["backend"] == "nccl", f"the pipeline's group is {got['backend']}, not NCCL"
@@ -414,8 +275,10 @@ def nccl_two_gpus() -> str:
 def reproduce_on_cuda() -> str:
     """lab.reproduce speedup and memory --device cuda --quick run to the end and write their files."""
     with tempfile.TemporaryDirectory() as out:
-        run_module(["-m", "lab.reproduce", "speedup", "--device", "cuda", "--quick", "--out", out], timeout=300)
-        run_module(["-m", "lab.reproduce", "memory", "--device", "cuda", "--quick", "--out", out], timeout=300)
+        subprocesses.run_module(["-m", "lab.reproduce", "speedup", "--device", "cuda", "--quick", "--out", out],
+                                timeout=300)
+        subprocesses.run_module(["-m", "lab.reproduce", "memory", "--device", "cuda", "--quick", "--out", out],
+                                timeout=300)
         written = sorted(p.name for p in Path(out).iterdir())
     return f"lab.reproduce speedup and memory --device cuda --quick wrote {', '.join(written)}"
 
@@ -451,7 +314,7 @@ def isolated(name: str, deadline: Optional[float] = None) -> Check:
         limit = ROW_SECONDS if deadline is None else min(ROW_SECONDS, deadline - time.monotonic())
         if limit < 1.0:  # started anyway, it would eat the time kept for the rows after it
             raise Failed("not run: the rows before it used up the report's time for them")
-        code, output = bounded(["-m", "lab.doctor", "--row", name], limit)
+        code, output = subprocesses.bounded(["-m", "lab.doctor", "--row", name], limit)
         said = [line for line in output.splitlines() if line.startswith('{"name": ')]  # stderr is mixed in
         if code is None or not said:
             ended = f"ran out of its {limit:.0f} s" if code is None else f"exited with {code}"
@@ -510,112 +373,6 @@ def format_row(row: Row) -> str:
     return f"{row.name:<30} {'pass' if row.passed else 'FAIL':<5} {row.seconds:6.1f} s  {row.detail}"
 
 
-# --- the report ----------------------------------------------------------------------------------
-
-@dataclass(frozen=True)
-class Part:
-    """One command of the report after the rows: `python args...`, given `share` of the time the
-    rows left (`part_limit`); `figures` names the markdown table it writes, if any."""
-
-    title: str
-    args: list[str]
-    share: float
-    env: dict = field(default_factory=dict)
-    figures: Optional[Path] = None
-    refused: Optional[str] = None  # why this host cannot run it (it is skipped, saying so)
-
-
-@dataclass(frozen=True)
-class Outcome:
-    """What one part did: its status line ("exit status 0", "timed out ...", "skipped: ..."), its
-    time, the tail of its output and its figures."""
-
-    part: Part
-    status: str
-    passed: bool
-    seconds: float = 0.0
-    tail: str = ""
-    figures: str = ""
-
-
-def report_parts(folder: Path) -> list[Part]:
-    """The report's commands after the doctor's rows, each with its share of the time they leave."""
-    reproduce = ["-m", "lab.reproduce", "--device", "cuda", "--quick", "--out", str(folder)]
-    return [Part("tests/test_cuda.py", ["-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "0",  # one process:
-                                        "tests/test_cuda.py"], 150),  # a worker per core would each hold a context
-            Part("lab.reproduce speedup --device cuda --quick", [*reproduce[:2], "speedup", *reproduce[2:]], 150,
-                 figures=folder / "speedup.md"),
-            Part("lab.reproduce memory --device cuda --quick", [*reproduce[:2], "memory", *reproduce[2:]], 120,
-                 figures=folder / "memory.md"),
-            Part("lab.bench --host-time --quick (this host's share of a task, beside docs/benchmarks.md's CPU host)",
-                 ["-m", "lab.bench", "--host-time", "--quick"], 20),
-            Part("lab.train --device cuda, 2 ranks (torchrun, loopback)",
-                 ["-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2", "--rdzv-backend", "c10d",
-                  "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "-m", "lab.train", "--steps", "20", "--log-every",
-                  "5", "--device", "cuda"], 90, env=NCCL_ON_LOOPBACK,
-                 refused=host.stage_processes_refused_here(2, False))]
-
-
-def part_limit(part: Part, later: list[Part], deadline: float) -> float:
-    """The seconds `part` may run: its share of what is left before the report's `deadline`, the
-    `later` parts keeping theirs. So the parts end by the deadline by construction, whatever the
-    rows took, and a part that ends early leaves its time to the next ones."""
-    left = deadline - time.monotonic()
-    return left * part.share / (part.share + sum(p.share for p in later))
-
-
-def run_part(part: Part, deadline: float, gpus: int, later: tuple = (), tail_lines: int = 40) -> Outcome:
-    """Run one part within its share of the time left before the report's `deadline`
-    (time.monotonic(); `later`: the parts still to run); skipped without a GPU or without time left."""
-    if gpus == 0:
-        return Outcome(part, "skipped: no CUDA GPU", True)
-    if part.refused:
-        return Outcome(part, f"skipped: {part.refused}", True)
-    limit = part_limit(part, list(later), deadline)
-    if limit < MIN_PART_SECONDS:
-        return Outcome(part, f"skipped: the report's {REPORT_SECONDS} s were spent", False)
-    start = time.perf_counter()
-    code, output = bounded(part.args, limit, part.env, grace=min(PART_GRACE_SECONDS, limit / 4))
-    status = f"timed out after {limit:.0f} s (interrupted, then stopped)" if code is None else f"exit status {code}"
-    figures = part.figures.read_text() if part.figures is not None and part.figures.exists() else ""
-    return Outcome(part, status, code == 0, time.perf_counter() - start,
-                   "\n".join(output.rstrip().splitlines()[-tail_lines:]), figures)
-
-
-def commit() -> str:
-    """The project's git commit, so that a report names the code it ran."""
-    try:
-        done = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
-                              timeout=10)
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
-    return done.stdout.strip() or "unknown (not a git checkout)"
-
-
-def report_text(facts: list[tuple[str, str]], rows: list[Row], skipped: list[str], outcomes: list[Outcome],
-                seconds: float) -> str:
-    """The report as markdown: versions, the doctor's rows, each part's status, figures and output tail."""
-    passed = all(row.passed for row in rows) and all(o.passed for o in outcomes)
-    lines = ["# GPipe lab: host report", "",
-             f"`python -m lab.doctor --report`, {datetime.datetime.now().isoformat(timespec='seconds')}, "
-             f"{seconds:.0f} s, commit {commit()}; {'everything passed' if passed else 'SOMETHING FAILED: see below'}",
-             "",
-             "## Versions", "", "| what | value |", "|---|---|"]
-    lines += [f"| {what} | {value} |" for what, value in facts]
-    lines += ["", "## The doctor's rows", "", "| check | result | seconds | what it saw |", "|---|---|---|---|"]
-    lines += [f"| {r.name} | {'pass' if r.passed else 'FAIL'} | {r.seconds:.1f} | {r.detail.replace('|', '/')} |"
-              for r in rows]
-    lines += [f"- {line}" for line in skipped]
-    lines += ["", "## Parts", "", "| part | status | seconds |", "|---|---|---|"]
-    lines += [f"| {o.part.title} | {o.status} | {o.seconds:.1f} |" for o in outcomes]
-    for o in outcomes:
-        lines += ["", f"### {o.part.title}", "", f"`python {' '.join(o.part.args)}`: {o.status}"]
-        if o.figures:
-            lines += ["", o.figures.strip()]
-        if o.tail:
-            lines += ["", "Last lines of its output:", "", "```text", o.tail, "```"]
-    return "\n".join(lines) + "\n"
-
 
 def run_row(name: str) -> int:
     """Run one check here and print its row as JSON, the last line (`isolated` reads it)."""
@@ -645,7 +402,7 @@ def main(argv=None) -> int:
 def sizing_kept():
     """For this run, a file where the GPU sizing is kept (speedup.SIZING_FILE): the sizing row's
     process finds it once, and reproduce --quick reads it instead of sizing again."""
-    from lab.speedup import SIZING_FILE
+    from lab.studies.speedup import SIZING_FILE
     if os.environ.get(SIZING_FILE):
         yield
         return

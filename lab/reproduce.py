@@ -20,18 +20,23 @@ import datetime
 import shlex
 import sys
 from pathlib import Path
-from typing import Callable, Iterable, Iterator
+from typing import Callable, Iterable, Iterator, Optional
 
 import pandas as pd
-import plotly.graph_objects as go
 import torch
 from tqdm import tqdm
 
-
-from . import breakdown, fit, host, peers, schedule_race, speedup, theory
-from .host import keep_freed_cpu_memory
-from .config import APP_DEFAULT, MEASURE_ROUNDS, MEASURE_WARMUP, RunConfig, measure_rounds
-from .config import check as check_config
+from lab import theory, zoo
+from lab.config import APP_DEFAULT, MEASURE_ROUNDS, MEASURE_WARMUP, RunConfig, measure_rounds
+from lab.config import check as check_config
+from lab.engine_time import peers
+from lab.machine import host
+from lab.machine.host import keep_freed_cpu_memory
+from lab.schedules import race as schedule_race
+from lab.studies import fit, speedup
+from lab.timelines import breakdown
+from lab.views import results
+from lab.views.results import markdown
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -58,7 +63,8 @@ def parser() -> argparse.ArgumentParser:
         if name in ("speedup", "memory", "all"):
             command.add_argument("--device", default="cpu", help="cpu (default) or cuda")
         if name in ("speedup", "all"):
-            command.add_argument("--model", default="transformer", help="transformer (default) or cnn")
+            command.add_argument("--model", default="transformer",
+                                 help=f"a zoo model: {', '.join(zoo.CARDS)} (default transformer)")
             command.add_argument("--stages", type=int, nargs="+", default=[1, 2, 4, 8], help="K values")
             command.add_argument("--micro-batches", type=int, nargs="+", default=[1, 4, 32], help="M values")
             command.add_argument("--transport", default=None, choices=["threads", "processes"],
@@ -99,10 +105,11 @@ def check(args: argparse.Namespace) -> None:
         raise ValueError("--device cuda, but this host has no CUDA GPU (torch.cuda.is_available() is False)")
     if device == "cuda" and getattr(args, "transport", None) == "processes" and host.exclusive_gpus():
         # this process sizes and measures on the GPUs too: its contexts and the stage processes would meet
-        raise ValueError("--transport processes: " + host.stage_processes_refused(2, torch.cuda.device_count(), True, True))
+        refused = host.stage_processes_refused(2, torch.cuda.device_count(), True, True)
+        raise ValueError(f"--transport processes: {refused}")
     model = getattr(args, "model", "transformer")
-    if model not in ("transformer", "cnn"):
-        raise ValueError(f"--model {model!r}: expected transformer or cnn")
+    if model not in zoo.CARDS:
+        raise ValueError(f"--model {model!r}: expected one of the zoo's models, {', '.join(zoo.CARDS)}")
     if args.command == "schedules":
         base = schedules_config(args)
         check_config(base)
@@ -208,8 +215,9 @@ def memory_rows(args, progress) -> Iterator[dict]:
         for label, stages, checkpoint in fit.LADDER:
             if stages > most:
                 continue
+            said = lambda p: progress(f"{label}: {p.blocks} blocks {'fit' if p.fits else 'too big'}")
             best = fit.largest(base, stages, checkpoint, budget, max_blocks, label=label, counted=measure == COUNT,
-                               progress=lambda p: progress(f"{label}: {p.blocks} blocks {'fit' if p.fits else 'too big'}"))
+                               progress=said)
             row = {"training": label, "K": stages, "measured by": measure}
             if best is None:
                 yield {**row, "layers": 0, "parameters": 0, "peak bytes": 0, "growth vs naive": 0.0, "paper": "",
@@ -303,8 +311,8 @@ def transports_rows(args, progress) -> Iterator[dict]:
 
 def peers_rows(args, progress) -> Iterator[dict]:
     work, micros, rounds = peers_workload(args)
-    for results in peers.race(work, micros, rounds, progress):
-        yield from peers.table_rows(results, work.batch)
+    for raced in peers.race(work, micros, rounds, progress):
+        yield from peers.table_rows(raced, work.batch)
 
 
 # --- running, writing, printing ----------------------------------------------------------------
@@ -319,59 +327,6 @@ def header(args, name: str, details: str) -> list[str]:
             f"# host: {host.summary(info)}; intra-op threads {info['threads']}; python {info['python']}"]
 
 
-def markdown(rows: list[dict]) -> str:
-    """Rows as a markdown table: every column any row has, in the order they first appear (a row
-    may lack some: the K=1 cells have no "threads beside" figure), blank where a row has none."""
-    if not rows:
-        return "(no rows finished)"
-    columns = list(dict.fromkeys(column for row in rows for column in row))
-    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
-    lines += ["| " + " | ".join("" if r.get(c) is None else str(r[c]) for c in columns) + " |" for r in rows]
-    return "\n".join(lines)
-
-
-def chart(name: str, rows: list[dict]) -> go.Figure:
-    frame = pd.DataFrame(rows)
-    figure = go.Figure()
-    if name == "speedup" and rows:
-        labels = [f"K={k}, M={m}" for k, m in zip(frame["K"], frame["M"])]
-        figure.add_bar(name="this host, vs its K=2, M=1", x=labels, y=frame["vs K=2,M=1"],
-                       text=frame["how"], hovertemplate="%{x}: %{y:.2f}x (%{text})<extra></extra>")
-        figure.add_bar(name="paper Transformer, vs its K=2, M=1", x=labels, y=frame["paper Transformer (vs K=2,M=1)"])
-        figure.add_bar(name="paper AmoebaNet, vs its K=2, M=1", x=labels, y=frame["paper AmoebaNet (vs K=2,M=1)"])
-        figure.add_scatter(name="unit-cost model with recompute, vs its K=2, M=1", x=labels,
-                           y=frame["model with recompute (vs K=2,M=1)"], mode="markers")
-        figure.update_layout(title="Table 2: throughput normalized to K=2, M=1", yaxis_title="x")
-    elif name == "memory" and rows:
-        figure.add_bar(x=frame["training"], y=frame["parameters"], text=frame["layers"],
-                       hovertemplate="%{x}: %{y} parameters, %{text} layers<extra></extra>")
-        figure.update_layout(title="Largest Transformer within the budget", yaxis_title="parameters")
-    elif name == "peers" and rows:
-        for implementation, group in frame.groupby("implementation"):
-            figure.add_scatter(name=implementation, x=group["M"], y=group["speedup vs one core"], mode="lines+markers")
-        figure.update_layout(title="K=2 speedup over one core, by implementation", xaxis_title="M",
-                             yaxis_title="x", xaxis_type="log")
-    elif name == "schedules" and rows:
-        for schedule, group in frame.groupby("schedule", sort=False):
-            figure.add_scatter(name=f"{schedule}", x=group["M"], y=group["bubble"], mode="lines+markers")
-            figure.add_scatter(name=f"{schedule}, theory", x=group["M"], y=group["bubble, theory"], mode="lines",
-                               line_dash="dot")
-        figure.update_layout(title="Bubble by schedule and M", xaxis_title="M", yaxis_title="bubble",
-                             yaxis_tickformat=".0%")
-    elif name == "breakdown" and rows:
-        for component, group in frame[frame["component"] != breakdown.STEP].groupby("component", sort=False):
-            figure.add_bar(name=component, x=group["setting"], y=group["ms"])
-        steps = frame[frame["component"] == breakdown.STEP]
-        figure.add_scatter(name=breakdown.STEP, x=steps["setting"], y=steps["ms"], mode="markers",
-                           marker=dict(symbol="line-ew-open", size=30, line_width=3, color="#333"))
-        figure.update_layout(title="Where the time of each step went", barmode="stack", yaxis_title="ms")
-    elif name == "transports" and rows:
-        figure.add_bar(x=frame["stages run as"], y=frame["speedup over K=1"], text=frame["speedup range"],
-                       hovertemplate="%{x}: %{y:.2f}x (rounds %{text})<extra></extra>")
-        figure.update_layout(title="Speedup over K=1: stages as threads vs as processes", yaxis_title="x")
-    return figure
-
-
 DETAILS = {
     "speedup": "samples/s normalized to K=1, M=1 and to K=1 at the same M; one core per stage on CPU; "
                "cells with more stages than devices are ideal replays of task times measured one at a time",
@@ -380,7 +335,7 @@ DETAILS = {
     "schedules": "the same step under each schedule; measured where the host has a core per stage, else the "
                  "ideal replay of task times measured one at a time; theory: unit costs (F=1, B=2; zb-h1: "
                  "F=B=W=1); memory: the ledger's activation peak",
-    "breakdown": "each median step's makespan as parts that add up to it (lab/breakdown.py defines them): "
+    "breakdown": "each median step's makespan as parts that add up to it (lab/timelines/breakdown.py defines them): "
                  "compute of the critical stage and recompute at one-task-alone speed, contention beside the "
                  "other stages, the schedule's bubble, unequal stages, messages and gaps; one core per stage",
     "transports": "the same steps with the stages as threads of one process and as one process each (gloo); "
@@ -388,10 +343,9 @@ DETAILS = {
 }
 
 
-def run_command(name: str, args, rows_of: Callable, out: Path) -> list[dict]:
-    """Run one command with a progress bar; on Ctrl-C or an error keep what finished (and raise it
-    again once written). Write and print the table."""
-    lines = header(args, name, DETAILS[name])
+def setting_lines(name: str, args) -> list[str]:
+    """The lines under a command's header that say what it runs: the model, its sizes, the budget."""
+    lines = []
     if name == "memory":
         base, budget, _ = memory_config(args)
         counted = "the budget is applied to each stage's measured parameters + gradients + Adam state + activations"
@@ -407,7 +361,8 @@ def run_command(name: str, args, rows_of: Callable, out: Path) -> list[dict]:
         base = speedup_config(args)
         lines.append(f"{model_line(base)}, checkpoint {base.checkpoint}, device {base.device}, stages as "
                      f"{base.transport} (K=1 and replayed cells: threads)")
-        sizing = speedup.gpu_sizing(args.quick, args.model, args.seed, base.transport) if args.device == "cuda" else None
+        on_gpus = args.device == "cuda"
+        sizing = speedup.gpu_sizing(args.quick, args.model, args.seed, base.transport) if on_gpus else None
         if sizing is not None:
             lines.append(f"# {sizing.describe()}; a cell whose lowest stage is under {speedup.GPU_FLOOR:g}x is "
                          f"launch-bound: Python, not the GPU, set its pace, so it is not called measured")
@@ -430,6 +385,12 @@ def run_command(name: str, args, rows_of: Callable, out: Path) -> list[dict]:
                      f"M in {micros}, {rounds} interleaved round(s) of one step each after a warm-up, "
                      f"speedup = median per-round ratio to one core, checkpoint never; torchgpipe "
                      f"{'installed' if peers.torchgpipe_available() else 'not installed'}")
+    return lines
+
+
+def measured(name: str, args, rows_of: Callable, lines: list[str]) -> tuple[list[dict], Optional[BaseException]]:
+    """A command's rows as they finish, with a progress bar; on Ctrl-C or an error, the rows that
+    finished before it and the error (a line added to `lines` says so)."""
     rows, stopped = [], None
     with tqdm(desc=name, unit="run", leave=False, file=sys.stderr) as bar:
         def progress(label: str) -> None:
@@ -446,19 +407,32 @@ def run_command(name: str, args, rows_of: Callable, out: Path) -> list[dict]:
             said = (str(error).strip().splitlines() or [""])[0][:300]
             lines.append(f"# stopped by an error ({type(error).__name__}: {said}): the rows below are those "
                          f"finished before it")
+    return rows, stopped
+
+
+def paper_tables() -> str:
+    """The paper's Tables 2 and 3, printed after a speedup table for comparison."""
+    return "\n".join(["# the paper's Table 2 (TPUs; each model normalized to its own K=2, M=1 cell):",
+                      markdown([{"M": m, **{f"{model.split(' ')[0]} K={k}": table[(k, m)] for model, table in
+                                            theory.PAPER_TABLE2.items() for k in (2, 4, 8)}} for m in (1, 4, 32)]),
+                      "# Table 3 (P100 GPUs without NVLink, M=32, normalized to K=2):",
+                      markdown([{"model": model, **{f"K={k}": v for k, v in table.items()}}
+                                for model, table in theory.PAPER_TABLE3.items()]),
+                      f"# the cells against the unit-cost model: {theory.why_cells_exceed()}"])
+
+
+def run_command(name: str, args, rows_of: Callable, out: Path) -> list[dict]:
+    """Run one command with a progress bar; on Ctrl-C or an error keep what finished (and raise it
+    again once written). Write and print the table."""
+    lines = header(args, name, DETAILS[name]) + setting_lines(name, args)
+    rows, stopped = measured(name, args, rows_of, lines)
     out.mkdir(parents=True, exist_ok=True)
     table = markdown(wide(rows) if name == "breakdown" else rows)
     (out / f"{name}.md").write_text("\n".join(lines) + "\n\n" + table + "\n")
     pd.DataFrame(rows).to_csv(out / f"{name}.csv", index=False)
-    chart(name, rows).write_html(out / f"{name}.html", include_plotlyjs=True)
+    results.figure(name, rows).write_html(out / f"{name}.html", include_plotlyjs=True)
     if name == "speedup":
-        print("\n".join(["# the paper's Table 2 (TPUs; each model normalized to its own K=2, M=1 cell):",
-                         markdown([{"M": m, **{f"{model.split(' ')[0]} K={k}": table[(k, m)] for model, table in
-                                               theory.PAPER_TABLE2.items() for k in (2, 4, 8)}} for m in (1, 4, 32)]),
-                         "# Table 3 (P100 GPUs without NVLink, M=32, normalized to K=2):",
-                         markdown([{"model": model, **{f"K={k}": v for k, v in table.items()}}
-                                   for model, table in theory.PAPER_TABLE3.items()]),
-                         f"# the cells against the unit-cost model: {theory.why_cells_exceed()}"]))
+        print(paper_tables())
     print("\n".join(lines))
     print(table)
     if stopped is not None:
@@ -474,7 +448,7 @@ ALL = ("speedup", "memory", "peers")
 def main(argv: Iterable[str] = None) -> int:
     args = parser().parse_args(argv)
     try:
-        check(args)  # on a GPU this sizes the table's model (lab.speedup.sized_for_gpu): minutes
+        check(args)  # on a GPU this sizes the table's model (lab.studies.speedup.sized_for_gpu): minutes
     except ValueError as error:
         print(f"python -m lab.reproduce: error: {error}", file=sys.stderr)
         return 2

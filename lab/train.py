@@ -20,7 +20,7 @@ import json
 import os
 import sys
 import time
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -30,9 +30,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from engine import GPipe
 from engine.distributed.transport import gpu_identity, one_gpu_each
 from engine.schedule import SCHEDULES, check_checkpoint_mode, check_layout
-
-from . import models
-from .host import stage_processes_refused_here
+from lab import zoo
+from lab.machine.host import stage_processes_refused_here
 
 
 def parser() -> argparse.ArgumentParser:
@@ -103,118 +102,160 @@ def launched_by_torchrun() -> bool:
     return dist.is_available() and dist.is_torchelastic_launched()
 
 
-def main(argv=None) -> int:
-    args = parser().parse_args(argv)
+class Refused(Exception):
+    """A setting this run cannot have: its one line, said by rank 0, and exit status 2."""
+
+
+@dataclass
+class Placement:
+    """Where this process sits: its rank, the pipeline's stages, its groups, and how stages talk."""
+
+    rank: int = 0
+    stages: int = 2
+    pipeline: object = None       # the pipeline's process group (None: stage threads)
+    data_parallel: object = None  # the group of this stage's replicas
+    replica: int = 0
+    transport: str = ""
+
+
+def check_arguments(args) -> None:
+    """Raise Refused for what can be told before any process group exists."""
     for name in ("steps", "stages", "data_parallel", "micro_batches", "batch", "blocks", "width", "log_every"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
-            print(f"python -m lab.train: error: --{name.replace('_', '-')} {getattr(args, name)}: expected >= 1",
-                  file=sys.stderr)
-            return 2
+            raise Refused(f"--{name.replace('_', '-')} {getattr(args, name)}: expected >= 1")
     if args.device == "cuda" and not torch.cuda.is_available():
-        print("python -m lab.train: error: --device cuda, but this host has no CUDA GPU "
-              "(torch.cuda.is_available() is False)", file=sys.stderr)
-        return 2
-    zoo = models.get("transformer")
-    distributed = launched_by_torchrun()
+        raise Refused("--device cuda, but this host has no CUDA GPU (torch.cuda.is_available() is False)")
     replicas = args.data_parallel
-    if replicas > 1 and not distributed:
-        print(f"python -m lab.train: error: --data-parallel {replicas} needs one process per stage and replica: "
-              f"torchrun --nproc-per-node {replicas * (args.stages or 2)} -m lab.train --stages {args.stages or 2} "
-              f"--data-parallel {replicas}", file=sys.stderr)
-        return 2
+    if replicas > 1 and not launched_by_torchrun():
+        raise Refused(f"--data-parallel {replicas} needs one process per stage and replica: torchrun "
+                      f"--nproc-per-node {replicas * (args.stages or 2)} -m lab.train --stages {args.stages or 2} "
+                      f"--data-parallel {replicas}")
     if args.batch % replicas:
-        print(f"python -m lab.train: error: --batch {args.batch} cannot be split into {replicas} equal shards",
-              file=sys.stderr)
-        return 2
-    pipeline, data_parallel, replica = None, None, 0
-    if distributed:
-        # a failed neighbour is reported by the pipe on every rank; NCCL's watchdog would kill the process first
-        os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "0")
-        dist.init_process_group("gloo")  # the world's group; the stages' groups get the backend chosen below
-        backend = "gloo"
-        if args.device == "cuda":
-            local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-            refused = stage_processes_refused_here(local, False)
-            if refused:
-                print(f"python -m lab.train: error: {refused}", file=sys.stderr)
-                return 2
-            gpu = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
-            torch.cuda.set_device(gpu)
-            backend = backend_for(args.device, gpus_of_ranks(gpu))
-        rank, world = dist.get_rank(), dist.get_world_size()
-        stages = world // replicas
-        if world % replicas or (args.stages is not None and args.stages != stages):
-            if rank == 0:
-                print(f"python -m lab.train: error: {world} processes cannot be --data-parallel {replicas} pipelines"
-                      + (f" of --stages {args.stages}" if args.stages else "") + "; start D x K processes",
-                      file=sys.stderr)
-            return 2
-        if replicas > 1:
-            mesh = init_device_mesh(args.device, (replicas, stages), mesh_dim_names=("dp", "pp"),
-                                    backend_override={"dp": backend, "pp": backend})
-            pipeline, data_parallel = mesh.get_group("pp"), mesh.get_group("dp")
-            replica = dist.get_rank(data_parallel)
-        else:
-            pipeline = dist.group.WORLD if backend == "gloo" else dist.new_group(backend=backend)
-        transport = (f"processes: {replicas} pipeline(s) of {stages} ranks over torch.distributed "
-                     f"({dist.get_backend(pipeline)})")
+        raise Refused(f"--batch {args.batch} cannot be split into {replicas} equal shards")
+
+
+def place(args) -> Placement:
+    """Join torchrun's group, if this process was launched by it, and make the pipeline's groups (a
+    mesh of D replicas x K stages with --data-parallel); else K stage threads here."""
+    if not launched_by_torchrun():
+        stages = args.stages or 2
+        return Placement(stages=stages, transport=f"threads: {stages} stage threads in this process")
+    # a failed neighbour is reported by the pipe on every rank; NCCL's watchdog would kill the process first
+    os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "0")
+    dist.init_process_group("gloo")  # the world's group; the stages' groups get the backend chosen below
+    backend = "gloo"
+    if args.device == "cuda":
+        refused = stage_processes_refused_here(int(os.environ.get("LOCAL_WORLD_SIZE", "1")), False)
+        if refused:
+            raise Refused(refused)
+        gpu = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
+        torch.cuda.set_device(gpu)
+        backend = backend_for(args.device, gpus_of_ranks(gpu))
+    replicas, world = args.data_parallel, dist.get_world_size()
+    placed = Placement(rank=dist.get_rank(), stages=world // replicas)
+    if world % replicas or (args.stages is not None and args.stages != placed.stages):
+        raise Refused(f"{world} processes cannot be --data-parallel {replicas} pipelines"
+                      + (f" of --stages {args.stages}" if args.stages else "") + "; start D x K processes")
+    if replicas > 1:
+        mesh = init_device_mesh(args.device, (replicas, placed.stages), mesh_dim_names=("dp", "pp"),
+                                backend_override={"dp": backend, "pp": backend})
+        placed.pipeline, placed.data_parallel = mesh.get_group("pp"), mesh.get_group("dp")
+        placed.replica = dist.get_rank(placed.data_parallel)
     else:
-        rank, stages = 0, args.stages or 2
-        transport = f"threads: {stages} stage threads in this process"
-    if stages > zoo.layer_count(args.blocks):
-        if rank == 0:
-            print(f"python -m lab.train: error: {stages} stages but the model has {zoo.layer_count(args.blocks)} "
-                  f"layers; use more --blocks", file=sys.stderr)
-        return 2
-    model = zoo.build(args.blocks, args.width, args.seed)
+        placed.pipeline = dist.group.WORLD if backend == "gloo" else dist.new_group(backend=backend)
+    placed.transport = (f"processes: {replicas} pipeline(s) of {placed.stages} ranks over torch.distributed "
+                        f"({dist.get_backend(placed.pipeline)})")
+    return placed
+
+
+def build_pipe(args, placed: Placement) -> GPipe:
+    """The zoo's Transformer as this run's pipe, or Refused if K stages cannot hold it so."""
+    layers = zoo.card("transformer").layer_count(args.blocks)
+    if placed.stages > layers:
+        raise Refused(f"{placed.stages} stages but the model has {layers} layers; use more --blocks")
     virtual = args.virtual_stages or SCHEDULES[args.schedule].fewest_chunks
     try:
-        check_layout(args.schedule, stages, args.micro_batches, virtual, zoo.layer_count(args.blocks), args.checkpoint)
+        check_layout(args.schedule, placed.stages, args.micro_batches, virtual, layers, args.checkpoint)
     except ValueError as error:
-        if rank == 0:
-            print(f"python -m lab.train: error: {error}", file=sys.stderr)
-        return 2
-    pipe = GPipe(model, stages, chunks=args.micro_batches, checkpoint=args.checkpoint, schedule=args.schedule,
-                 seed=args.seed, threads_per_stage=1, group=pipeline, data_parallel=data_parallel,
+        raise Refused(str(error)) from None
+    return GPipe(zoo.build("transformer", args.blocks, args.width, args.seed), placed.stages,
+                 chunks=args.micro_batches, checkpoint=args.checkpoint, schedule=args.schedule, seed=args.seed,
+                 threads_per_stage=1, group=placed.pipeline, data_parallel=placed.data_parallel,
                  devices=args.device, virtual_stages=virtual)
+
+
+def heading(args, placed: Placement, pipe: GPipe) -> str:
+    """Rank 0's first line: the model, the pipeline's shape, and where its stages run."""
+    virtual = pipe.virtual_stages
+    return (f"# lab.train: char Transformer, {zoo.card('transformer').layer_count(args.blocks)} layers, width "
+            f"{args.width}, batch {args.batch}, K={placed.stages}, M={args.micro_batches}, {args.schedule}"
+            + (f" (v={virtual})" if virtual > 1 else "") + f", checkpoint {per_stage(args.checkpoint)}; "
+            f"{placed.transport}; stages on {pipe.devices[0].type}")
+
+
+def train(pipe: GPipe, args, placed: Placement) -> list[float]:
+    """`args.steps` steps of Adam, this replica's shard of each mini-batch; the losses, printed as
+    they come every --log-every steps with the samples per second."""
+    task = zoo.get("transformer")
     optimizer = torch.optim.Adam(pipe.parameters(), lr=args.lr)
-    stage = dist.get_rank(pipeline) if distributed else 0
+    stage = dist.get_rank(placed.pipeline) if placed.pipeline is not None else 0
     # the inputs go to the rank of the first chunk, the targets to the last one's (ZB-V's is stage 0)
-    first, last = (not distributed or pipe.placement[chunk] == stage for chunk in (0, -1))
-    if rank == 0:
-        print(f"# lab.train: char Transformer, {zoo.layer_count(args.blocks)} layers, width {args.width}, "
-              f"batch {args.batch}, K={stages}, M={args.micro_batches}, {args.schedule}"
-              + (f" (v={virtual})" if virtual > 1 else "") + f", checkpoint {per_stage(args.checkpoint)}; "
-              f"{transport}; stages on {pipe.devices[0].type}", flush=True)
-    start, window, losses = time.perf_counter(), time.perf_counter(), []
+    first, last = (placed.pipeline is None or pipe.placement[chunk] == stage for chunk in (0, -1))
+    window, losses = time.perf_counter(), []
     for step in range(1, args.steps + 1):
-        inputs, targets = (t.chunk(replicas)[replica] for t in zoo.batch(args.batch, args.width, args.seed + step))
+        batch = task.batch(args.batch, args.width, args.seed + step)
+        inputs, targets = (t.chunk(args.data_parallel)[placed.replica] for t in batch)
         optimizer.zero_grad()
-        loss = pipe.step(inputs if first else None, targets if last else None, zoo.loss_fn)
+        loss = pipe.step(inputs if first else None, targets if last else None, task.loss_fn)
         optimizer.step()
         losses.append(loss.item())
-        if rank == 0 and (step % args.log_every == 0 or step == args.steps):
+        if placed.rank == 0 and (step % args.log_every == 0 or step == args.steps):
             now = time.perf_counter()
             done = args.log_every if step % args.log_every == 0 else step % args.log_every
             print(f"step {step:5d}  loss {losses[-1]:.4f}  samples/s {done * args.batch / (now - window):8.1f}",
                   flush=True)
             window = now
-    if rank == 0:
-        trace = pipe.trace
-        crossed = ", ".join(f"{b['activations'] / 1e3:.1f} kB forward and {b['gradients'] / 1e3:.1f} kB back"
-                            for b in trace.boundary_bytes) if trace.messages else "nothing (threads share memory)"
-        reduced = "" if not trace.reductions else "; each stage all-reduced " + ", ".join(
-            f"{r.bytes / 1e3:.1f} kB" for r in trace.reductions) + f" of gradients with its {replicas - 1} replica(s)"
-        print(f"# done: {args.steps} steps in {time.perf_counter() - start:.1f} s; loss {losses[0]:.4f} -> "
-              f"{losses[-1]:.4f}; per step each boundary carried {crossed}{reduced}", flush=True)
-        if args.trace_out:
-            Path(args.trace_out).write_text(json.dumps(
-                {"stages": trace.stages, "transport": trace.transport, "lane": trace.lane,
-                 "backend": dist.get_backend(pipeline) if distributed else None, "events": trace.to_records(),
-                 "messages": [asdict(m) for m in trace.messages],
-                 "reductions": [asdict(r) for r in trace.reductions], "losses": losses}))
+    return losses
+
+
+def report(pipe: GPipe, args, placed: Placement, losses: list[float], seconds: float) -> None:
+    """Rank 0's last line (what each boundary carried per step), and --trace-out's file."""
+    trace = pipe.trace
+    crossed = ", ".join(f"{b['activations'] / 1e3:.1f} kB forward and {b['gradients'] / 1e3:.1f} kB back"
+                        for b in trace.boundary_bytes) if trace.messages else "nothing (threads share memory)"
+    reduced = "" if not trace.reductions else "; each stage all-reduced " + ", ".join(
+        f"{r.bytes / 1e3:.1f} kB" for r in trace.reductions) + \
+        f" of gradients with its {args.data_parallel - 1} replica(s)"
+    print(f"# done: {args.steps} steps in {seconds:.1f} s; loss {losses[0]:.4f} -> "
+          f"{losses[-1]:.4f}; per step each boundary carried {crossed}{reduced}", flush=True)
+    if args.trace_out:
+        Path(args.trace_out).write_text(json.dumps(
+            {"stages": trace.stages, "transport": trace.transport, "lane": trace.lane,
+             "backend": dist.get_backend(placed.pipeline) if placed.pipeline is not None else None,
+             "events": trace.to_records(), "messages": [asdict(m) for m in trace.messages],
+             "reductions": [asdict(r) for r in trace.reductions], "losses": losses}))
+
+
+def main(argv=None) -> int:
+    """Train, printing as it goes; exit status 2 with one line for a setting it cannot run."""
+    args = parser().parse_args(argv)
+    placed = Placement()
+    try:
+        check_arguments(args)
+        placed = place(args)
+        pipe = build_pipe(args, placed)
+    except Refused as refused:
+        if placed.rank == 0:
+            print(f"python -m lab.train: error: {refused}", file=sys.stderr)
+        return 2
+    if placed.rank == 0:
+        print(heading(args, placed, pipe), flush=True)
+    start = time.perf_counter()
+    losses = train(pipe, args, placed)
+    if placed.rank == 0:
+        report(pipe, args, placed, losses, time.perf_counter() - start)
     pipe.close()
-    if distributed:
+    if launched_by_torchrun():
         dist.destroy_process_group()
     return 0
 

@@ -28,7 +28,7 @@ ROOT = next(p for p in [pathlib.Path.cwd(), *pathlib.Path.cwd().parents] if (p /
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from lab.host import device_note, lab_device  # noqa: E402 (needs the path above)
+from lab.machine.host import device_note, lab_device  # noqa: E402 (needs the path above)
 
 QUICK = os.environ.get("GPIPE_LAB_QUICK") == "1"  # tiny sizes for CI; a learner gets the real ones
 DEVICE = lab_device()

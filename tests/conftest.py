@@ -1,4 +1,4 @@
-"""Data shared by the engine tests (their small models: tests/small_models.py), and how the suite
+"""Data shared by the engine tests (their small models: tests/helpers/small_models.py), and how the suite
 runs in parallel."""
 import os
 import tempfile

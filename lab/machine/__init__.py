@@ -1,0 +1,9 @@
+"""The machine the lab runs on: what it has, and how processes on it meet and are found.
+
+Reading map (nothing here imports the rest of the lab):
+
+1. `host.py`          the host in one line beside every figure, its GPUs and how they may be shared
+2. `loopback.py`      how the processes one process starts meet, with no socket beyond loopback
+3. `process_tree.py`  this host's processes from /proc: which ones a process started, and stopping them
+4. `torchrun.py`      two torchrun agents ("nodes") of `python -m lab.train` meeting on loopback
+"""
