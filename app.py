@@ -28,8 +28,8 @@ from lab.config import (
     chunks_offered,
     measure_rounds,
     micro_batch_count,
-    visible_gpus,
 )
+from lab.machine.gpus import visible_gpus
 from lab.schedules import writer as schedule_writer
 from lab.timelines import breakdown, replay
 from lab.views import charts

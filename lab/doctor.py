@@ -59,8 +59,8 @@ from lab.checkup.report import (
     report_text,
     run_part,
 )
-from lab.config import nvidia_smi
 from lab.machine import host
+from lab.machine.gpus import nvidia_smi
 from lab.machine.torchrun import free_port
 from lab.runs.stepper import Stepper
 from lab.studies.allreduce import time_all_reduce

@@ -127,3 +127,15 @@ def keep_freed_cpu_memory() -> bool:
         return all(libc.mallopt(option, value) == 1 for option, value in settings)
     except (OSError, AttributeError):
         return False
+
+
+def available_host_bytes() -> int:
+    """The host memory free for new work now (MemAvailable), or all of it where /proc/meminfo is missing."""
+    try:
+        with open("/proc/meminfo") as info:
+            for line in info:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")

@@ -169,10 +169,11 @@ def pipe_options(config: RunConfig) -> dict:
                 threads_per_stage=config.threads_per_stage)
 
 
-def pipeline(config: RunConfig, model: nn.Sequential, balance: list[int]) -> GPipe:
-    """The engine pipeline of a configuration, its stages as threads of this process, for timing
-    its tasks: it keeps no activation ledger (whose bookkeeping would be in their times)."""
-    return GPipe(model, balance, devices=devices_for(config), **pipe_options(config), record_memory=False)
+def pipeline(config: RunConfig, model: nn.Sequential, balance, record_memory: bool = False) -> GPipe:
+    """The engine pipeline of a configuration, its stages as threads of this process: the one way
+    the lab makes a pipe of a configuration (Stepper makes its steps). It keeps no activation
+    ledger unless asked (for timing its tasks: the ledger's bookkeeping would be in their times)."""
+    return GPipe(model, balance, devices=devices_for(config), **pipe_options(config), record_memory=record_memory)
 
 
 def run(config: RunConfig, on_event: Optional[Callable] = None, replay: Union[bool, str] = False,

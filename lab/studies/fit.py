@@ -16,11 +16,10 @@ from typing import Callable, Optional
 
 import torch
 
-from engine import GPipe
 from engine.partition import resolve_balance
 from lab import theory, zoo
 from lab.config import RunConfig
-from lab.runs.experiments import build, devices_for, predicted_activation_bytes
+from lab.runs.experiments import build, devices_for, pipeline, predicted_activation_bytes
 
 
 def table1_setting(device: str = "cpu", quick: bool = False, seed: int = 0,
@@ -65,8 +64,7 @@ def breakdown(config: RunConfig) -> list[dict]:
     """Bytes each stage needs for one real training step: parameters, gradients, Adam's two moments
     and the activation peak measured by the engine's ledger (on whatever device `config` names)."""
     model, (inputs, targets), loss_fn = build(config)
-    pipe = GPipe(model, config.stages, devices=devices_for(config), chunks=config.micro_batches,
-                 checkpoint=config.checkpoint, seed=config.seed, threads_per_stage=config.threads_per_stage)
+    pipe = pipeline(config, model, config.stages, record_memory=True)
     try:
         optimizer = torch.optim.Adam(pipe.parameters(), lr=1e-4)
         pipe.step(inputs, targets, loss_fn)
@@ -96,8 +94,7 @@ def allocator_peak(config: RunConfig) -> int:
     if config.stages != 1 or config.device != "cpu":
         raise ValueError(f"allocator_peak measures one stage on the CPU, got K={config.stages} on {config.device}")
     model, (inputs, targets), loss_fn = build(config)
-    pipe = GPipe(model, 1, chunks=config.micro_batches, checkpoint=config.checkpoint, seed=config.seed,
-                 threads_per_stage=config.threads_per_stage, record_memory=False)
+    pipe = pipeline(config, model, 1)
     optimizer = torch.optim.Adam(pipe.parameters(), lr=1e-4)
 
     def step() -> None:
@@ -192,8 +189,7 @@ def footprint_cuda(config: RunConfig, budget: int) -> tuple[int, int, bool]:
                 cuda_cap_fraction(budget, baseline, torch.cuda.get_device_properties(d).total_memory), d)
         model, (inputs, targets), loss_fn = build(config)
         params = sum(p.numel() for p in model.parameters())
-        pipe = GPipe(model, config.stages, devices=devices_for(config), chunks=config.micro_batches,
-                     checkpoint=config.checkpoint, seed=config.seed)
+        pipe = pipeline(config, model, config.stages, record_memory=True)
         optimizer = torch.optim.Adam(pipe.parameters(), lr=1e-4)
         for steady in (False, True):  # the peak of the second step, when Adam's moments exist all along
             if steady:

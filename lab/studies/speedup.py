@@ -172,18 +172,6 @@ class Sizing:
                 f"{verdict}); tried {steps}")
 
 
-def available_host_bytes() -> int:
-    """The host memory free for new work now (MemAvailable), or all of it where /proc/meminfo is missing."""
-    try:
-        with open("/proc/meminfo") as info:
-            for line in info:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-
-
 def host_bytes_to_build(config: RunConfig, stages: int) -> int:
     """Host memory the table needs to build `config`'s model: its float32 weights in this process
     (built on the host, then moved to the GPUs), and in each of `stages` stage processes too when the
@@ -199,7 +187,7 @@ def host_bytes_to_build(config: RunConfig, stages: int) -> int:
 @lru_cache(maxsize=None)
 def sized_for_gpu(start: RunConfig, quick: bool = False, stages: int = 8, micro: int = 32,
                   probe: Callable[[RunConfig], list[float]] = gpu_ratios,
-                  host_bytes: Callable[[], int] = available_host_bytes) -> Sizing:
+                  host_bytes: Callable[[], int] = host.available_host_bytes) -> Sizing:
     """Grow the GPU table's Transformer along GPU_LADDER (width, then batch) until every stage's
     GPU time is GPU_TARGET times its host time at the table's hardest cell, K=`stages` (at most
     its layers) and M=`micro`, where tasks are smallest; a rung that runs out of memory there, or

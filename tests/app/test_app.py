@@ -7,6 +7,7 @@ import streamlit as st
 from streamlit.testing.v1 import AppTest
 
 import lab.config
+import lab.machine.gpus
 from lab.config import SCHEDULE_ORDER, SCHEDULES
 
 APP = str(Path(__file__).resolve().parents[2] / "app.py")
@@ -333,7 +334,7 @@ def test_where_stages_run_is_offered_only_on_a_host_with_gpus(app, monkeypatch):
     small(app)
     assert [r.key for r in app.sidebar.radio if r.key == "device"] == []
     import lab.config
-    monkeypatch.setattr(lab.config, "visible_gpus", lambda: 2)
+    monkeypatch.setattr(lab.machine.gpus, "visible_gpus", lambda: 2)
     small(app)
     choice = app.radio(key="device")
     assert choice.options == ["CPU cores", "GPUs (2 here)"] and choice.value == "cpu"

@@ -6,6 +6,7 @@ import pytest
 from test_app import app, shipped_app  # noqa: F401  (the fixtures: a fresh server, three measured rounds)
 
 import lab.config
+import lab.machine.gpus
 import lab.machine.host
 import lab.runs.experiments
 import lab.timelines.breakdown
@@ -20,7 +21,7 @@ def two_gpus(monkeypatch):
         record = real(config.but(device="cpu"), **options)
         record.config["device"] = config.device
         return record
-    monkeypatch.setattr(lab.config, "visible_gpus", lambda: 2)
+    monkeypatch.setattr(lab.machine.gpus, "visible_gpus", lambda: 2)
     monkeypatch.setattr(lab.config, "_cuda_available", lambda: True)
     monkeypatch.setattr(lab.machine.host, "exclusive_gpus", lambda: False)
     monkeypatch.setattr(lab.runs.experiments, "run", on_the_cpu)

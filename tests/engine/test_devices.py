@@ -12,8 +12,9 @@ from engine import GPipe
 from engine import schedule as schedules
 from engine.device import StageDevice, home_device, resolve_devices
 from engine.distributed.gloo_lane import edge_groups, lands_on, nccl_edges
-from lab.config import RunConfig, visible_gpus
+from lab.config import RunConfig
 from lab.machine import host
+from lab.machine.gpus import visible_gpus
 from lab.studies import fit, speedup
 from lab.train import backend_for
 
