@@ -69,10 +69,21 @@ class Partition(nn.Sequential):
 
 
 def split(module: nn.Sequential, balance: Sequence[int]) -> list[Partition]:
-    """The stages as Partitions of the model's own layers (shared, not copied), names kept."""
+    """The stages as Partitions of the model's own layers (shared, not copied), names kept; a
+    parameter two stages would share (tied weights) is refused, naming both layers."""
     named = list(module._modules.items())  # every entry, even a layer listed twice
     stages, start = [], 0
     for count in balance:
         stages.append(Partition(OrderedDict(named[start:start + count])))
         start += count
+    owners = {}
+    for stage, partition in enumerate(stages):
+        for layer, child in partition.named_children():
+            for name, parameter in child.named_parameters():
+                first = owners.setdefault(id(parameter), (stage, layer, name))
+                if first[0] != stage:
+                    raise ValueError(f"layer {first[1]!r} (stage {first[0]}) and layer {layer!r} (stage {stage}) "
+                                     f"share a parameter ({first[1]}.{first[2]} is {layer}.{name}): each stage "
+                                     f"holds its own weights, so tied weights must sit on one stage (a balance "
+                                     f"that keeps both layers together) or be untied")
     return stages

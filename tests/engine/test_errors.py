@@ -204,3 +204,15 @@ def test_a_failing_loss_leaves_nothing_held(batch, checkpoint):
         pipe.step(x, y, lambda out, target: 1 / 0)
     assert all(chunk.ledger.live == 0 for chunk in pipe._local.chunks.values())
     assert pipe.step(x, y, LOSS).item() > 0
+
+
+def test_weights_tied_across_stages_are_refused_naming_both_layers():
+    """Each stage holds its own weights (its own copy, in a stage process or on a GPU of its own), so
+    a parameter two stages would share cannot get one gradient: refused, unless one stage holds both."""
+    embedding, head = nn.Embedding(10, 8), nn.Linear(8, 10)
+    head.weight = embedding.weight
+    model = nn.Sequential(embedding, nn.Linear(8, 8), head)
+    with pytest.raises(ValueError, match=r"layer '0' \(stage 0\) and layer '2' \(stage 1\) share a parameter "
+                                         r"\(0.weight is 2.weight\)"):
+        GPipe(model, 2)
+    assert len(GPipe(model, [3]).partitions) == 1
