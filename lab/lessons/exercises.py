@@ -22,13 +22,13 @@ from lab.lessons.formulas import (
                                   check_naive_bubble,
                                   check_training_bytes,
 )
-from lab.lessons.plans import best_plan, check_first_pipe, check_layout, check_plan
+from lab.lessons.plans import best_plan, check_first_pipe, check_layout, check_own_model, check_plan, sample_model
 from lab.lessons.tasks import check_accumulation, check_checkpointed_stage, check_fill_drain
 from lab.lessons.written import BROKEN, WRITTEN, check_deadlock_fix, check_split_schedule, check_written_1f1b
 
 __all__ = ["BROKEN", "IDEAL_SPEEDUP", "SAYS", "SEPARATING_CUTS", "WRITTEN", "best_plan", "check_accumulation",
            "check_best_cut", "check_boundary_bytes", "check_bubble", "check_bubble_ms", "check_checkpointed_stage",
            "check_deadlock_fix", "check_fill_drain", "check_first_pipe", "check_ideal_speedup", "check_in_flight",
-           "check_layout", "check_naive_bubble", "check_plan", "check_split_schedule", "check_training_bytes",
-           "check_written_1f1b", "cut_battery", "greedy_cut", "greedy_cuts", "solve", "variance_cut",
-           "yours_if_right"]
+           "check_layout", "check_naive_bubble", "check_own_model", "check_plan", "check_split_schedule",
+           "check_training_bytes", "check_written_1f1b", "cut_battery", "greedy_cut", "greedy_cuts", "sample_model",
+           "solve", "variance_cut", "yours_if_right"]

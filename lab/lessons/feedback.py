@@ -216,6 +216,11 @@ SAYS = {
                             "has run, so run the W's sooner",
     "bubble not smaller": "its unit-cost bubble is not below 1F1B's: put W's where 1F1B's stages wait, in the fill "
                           "and the drain",
+    # the capstone's own model
+    "own not sequential": "return the layers as an nn.Sequential (a block with a skip connection as one module "
+                          "inside it): the pipeline cuts between its entries",
+    "own does not run": "its first layer must take 16 features a sample (a batch of shape (32, 16)), and it must "
+                        "end in one score per class",
     # any check
     "keywords": "pass your answer as the check's argument itself, as the notebook's check cell does",
 }

@@ -5,11 +5,13 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 import torch
+from torch import nn
 
 from engine import GPipe
 from lab import theory
 from lab.lessons.feedback import SAYS, Feedback, NotAttempted, attempted, exercise
 from lab.lessons.formulas import as_whole
+from lab.lessons.sandbox import called
 from lab.lessons.tasks import listed
 
 
@@ -138,3 +140,31 @@ def check_layout(choice: tuple, large_run) -> str:
             f"does ({row['step s']} s a step, bubble {row['bubble']})")
 
 
+def sample_model() -> nn.Sequential:
+    """The lab's own answer to the capstone's last exercise: batch norm and dropout included."""
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(16, 64), nn.BatchNorm1d(64), nn.ReLU(), nn.Dropout(0.1), nn.Linear(64, 64),
+                         nn.ReLU(), nn.Linear(64, 4))
+
+
+@exercise
+def check_own_model(fn) -> str:
+    """fn(): a model of your own, an nn.Sequential of at least 2 layers taking batches of (32, 16)."""
+    attempted(fn, "def my_model(): ...")
+    model = called(fn)
+    attempted(model, "my_model's return ...")
+    if not isinstance(model, nn.Sequential):
+        raise Feedback(f"my_model() returned {type(model).__name__}: {SAYS['own not sequential']}")
+    if len(model) < 2:
+        raise Feedback(f"my_model() has {len(model)} layer: two stages need at least two")
+    try:
+        with torch.no_grad():
+            out = model.eval()(torch.randn(32, 16))
+    except Exception as error:
+        raise Feedback(f"my_model() fails on a batch of (32, 16) ({type(error).__name__}): "
+                       f"{SAYS['own does not run']}") from None
+    finally:
+        model.train()
+    if not torch.is_tensor(out) or out.dim() != 2:
+        raise Feedback(f"my_model() gives {getattr(out, 'shape', type(out).__name__)}: {SAYS['own does not run']}")
+    return f"✓ {len(model)} layers, {sum(p.numel() for p in model.parameters()):,} parameters: the report is of yours"

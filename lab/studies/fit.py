@@ -16,6 +16,7 @@ from typing import Callable, Optional
 
 import torch
 
+from engine import GPipe
 from engine.partition import resolve_balance
 from lab import theory, zoo
 from lab.config import RunConfig
@@ -61,23 +62,30 @@ class Largest:
 
 
 def breakdown(config: RunConfig) -> list[dict]:
-    """Bytes each stage needs for one real training step: parameters, gradients, Adam's two moments
-    and the activation peak measured by the engine's ledger (on whatever device `config` names)."""
+    """Bytes each stage needs for one real training step of `config` (`stage_bytes`)."""
     model, (inputs, targets), loss_fn = build(config)
     pipe = pipeline(config, model, config.stages, record_memory=True)
     try:
-        optimizer = torch.optim.Adam(pipe.parameters(), lr=1e-4)
-        pipe.step(inputs, targets, loss_fn)
-        optimizer.step()
-        stages = []
-        for stage, memory in zip(pipe.partitions, pipe.trace.memory):
-            state = sum(t.numel() * t.element_size() for p in stage.parameters()
-                        for t in optimizer.state[p].values() if torch.is_tensor(t) and t.dim() > 0)
-            stages.append({"parameters": memory.param_bytes, "gradients": memory.grad_bytes,
-                           "optimizer state": state, "activations": memory.activation_peak_bytes,
-                           "parameter count": sum(p.numel() for p in stage.parameters())})
+        return stage_bytes(pipe, inputs, targets, loss_fn)
     finally:
         pipe.close()
+
+
+def stage_bytes(pipe: GPipe, inputs, targets, loss_fn) -> list[dict]:
+    """Bytes each stage of `pipe` needs for one real training step: parameters, gradients, Adam's
+    two moments and the activation peak measured by the engine's ledger (on whatever devices)."""
+    parameters = list(pipe.parameters())
+    optimizer = torch.optim.Adam(parameters, lr=1e-4) if parameters else None
+    pipe.step(inputs, targets, loss_fn)
+    if optimizer is not None:
+        optimizer.step()
+    stages = []
+    for stage, memory in zip(pipe.partitions, pipe.trace.memory):
+        state = sum(t.numel() * t.element_size() for p in stage.parameters()
+                    for t in optimizer.state[p].values() if torch.is_tensor(t) and t.dim() > 0) if optimizer else 0
+        stages.append({"parameters": memory.param_bytes, "gradients": memory.grad_bytes,
+                       "optimizer state": state, "activations": memory.activation_peak_bytes,
+                       "parameter count": sum(p.numel() for p in stage.parameters())})
     return stages
 
 
@@ -90,25 +98,35 @@ def allocator_peak(config: RunConfig) -> int:
     against: the count adds the ledger's saved tensors to weights, gradients and moments; the
     allocator also sees the backward's working memory, and gradients that do not yet exist at the
     activations' peak."""
-    from torch.profiler import ProfilerActivity, profile
     if config.stages != 1 or config.device != "cpu":
         raise ValueError(f"allocator_peak measures one stage on the CPU, got K={config.stages} on {config.device}")
     model, (inputs, targets), loss_fn = build(config)
     pipe = pipeline(config, model, 1)
-    optimizer = torch.optim.Adam(pipe.parameters(), lr=1e-4)
-
-    def step() -> None:
-        optimizer.zero_grad(set_to_none=True)
-        pipe.step(inputs, targets, loss_fn, serial=True)  # serial: the profiler sees this thread's allocations
-        optimizer.step()
     try:
-        step()
-        held = sum(p.nbytes for p in model.parameters()) + sum(
-            t.nbytes for state in optimizer.state.values() for t in state.values() if torch.is_tensor(t))
-        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as profiler:
-            step()
+        return allocator_peak_of(pipe, inputs, targets, loss_fn)
     finally:
         pipe.close()
+
+
+def allocator_peak_of(pipe: GPipe, inputs, targets, loss_fn) -> int:
+    """`allocator_peak` of any one-stage pipe on the CPU: what is held after a step and an Adam step
+    (the weights, the moments, the mini-batch's inputs), plus the highest the next step's allocations
+    rose above it (torch.profiler's memory events)."""
+    from torch.profiler import ProfilerActivity, profile
+    parameters = list(pipe.parameters())
+    optimizer = torch.optim.Adam(parameters, lr=1e-4) if parameters else None
+
+    def step() -> None:
+        pipe.zero_grad(set_to_none=True)
+        pipe.step(inputs, targets, loss_fn, serial=True)  # serial: the profiler sees this thread's allocations
+        if optimizer is not None:
+            optimizer.step()
+    step()
+    states = optimizer.state.values() if optimizer is not None else ()
+    held = sum(p.nbytes for p in parameters) + sum(t.nbytes for state in states for t in state.values()
+                                                   if torch.is_tensor(t)) + inputs.untyped_storage().nbytes()
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as profiler:
+        step()
     changes = sorted((e.start_ns(), e.nbytes()) for e in profiler.profiler.kineto_results.events()
                      if e.name() == "[memory]" and e.device_type().name == "CPU")
     live = highest = 0

@@ -433,7 +433,8 @@ def test_every_family_of_mistakes_is_tested():
 PIPE_PLAN_LAYOUT_FAMILIES = {"not a pipe", "not run", "forward only call", "batch too small", "batch not divisible",
                              "forward after step", "step result", "keywords", "plan shape",
                              "plan not in table", "over budget", "more stages", "more micro-batches",
-                             "fewer micro-batches", "drop recompute", "add recompute", "layout shape", "layout swapped"}
+                             "fewer micro-batches", "drop recompute", "add recompute", "layout shape", "layout swapped",
+                             "own not sequential", "own does not run"}  # the last two: the capstone's own model
 
 
 @pytest.mark.parametrize("right", [
@@ -694,3 +695,19 @@ def test_an_answer_blocked_for_good_leaves_profiled_code_running():
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60,
                           cwd=Path(__file__).resolve().parents[3])
     assert done.stdout.split() == ["✗", "profiled", "True"], done.stdout + done.stderr
+
+
+def test_the_capstones_own_model_is_checked_before_it_is_pipelined():
+    """The capstone's last exercise: a model of the learner's own, taken by lab.check only if it is a
+    chain of layers that runs on the notebook's batch."""
+    from torch import nn
+
+    def blank():
+        return ...
+    assert exercises.check_own_model(blank).startswith("… not attempted yet")
+    assert exercises.check_own_model(exercises.sample_model).startswith("✓ 7 layers")
+    for made, family in ((lambda: nn.Linear(16, 4), "own not sequential"),
+                         (lambda: nn.Sequential(nn.Linear(8, 4), nn.ReLU()), "own does not run"),
+                         (lambda: nn.Sequential(nn.Linear(16, 4), nn.Flatten(0)), "own does not run")):
+        said = exercises.check_own_model(made)
+        assert said.startswith("✗") and SAYS[family] in said, said
