@@ -58,7 +58,8 @@ SAYS = {
     "one device's share": "that is one device's busy share; K devices work in parallel, so multiply by K",
     "bubble times K": "that multiplies the bubble, the idle share, by K; the speedup counts the busy share",
     # the bubble in milliseconds
-    "fill only": "that counts the fill only: in the drain the stage waits K-1 backward slots as well",
+    "fill only": "that counts the fill only: a stage waits K-1 backward slots as well (the last stage after its "
+                 "backwards, the first before them)",
     "per micro-batch": "that divides by M: the K-1 forward and K-1 backward slots of waiting do not shrink as M grows",
     "a share": "that is a share of K; expected how many micro-batches the stage holds, a count",
     "recompute added": "that adds a recompute (one more forward) to each backward slot: this pipe recomputes nothing",
@@ -151,8 +152,10 @@ SAYS = {
     "cut counts": "expected K counts of at least one layer each, summing to the number of layers",
     "greedy cut": "your cut closes a stage as soon as it reaches total/K, which can leave a costlier stage later on: "
                   "try every cut (or the engine's dynamic program) and keep the one whose costliest stage is cheapest",
-    "variance cut": "your cut makes the stages' costs as even as possible (least variance or least spread), but the "
-                    "pipeline runs at the pace of its costliest stage: minimize the maximum instead",
+    "variance cut": "your cut makes the stages' costs as even as possible (least variance, the paper's own rule in "
+                    "§2.2, or least spread); on this list it leaves a costlier stage than the min-max cut, and a "
+                    "pipeline runs at its costliest stage's pace: this exercise asks for the cut whose costliest stage "
+                    "is cheapest",
     "rounded costs": "your cut is a best one for the costs rounded to whole numbers: the costs are measured, keep "
                      "their fractions",
     "equal counts": "that gives the stages equal numbers of layers, whatever each layer costs: weigh the layers by "

@@ -291,7 +291,8 @@ BUBBLE_MS = Formula(
      ("recompute added", lambda k, m, f, b: (k - 1) * (2 * f + b)),
      ("per micro-batch", lambda k, m, f, b: (k - 1) * (f + b) / m),
      ("precedence", lambda k, m, f, b: (k - 1) * f + b)),
-    hint="the fill holds the last stage back K-1 forward slots, the drain the first stage K-1 backward slots",
+    hint="every stage waits K-1 forward and K-1 backward slots: the last before its first forward and after its "
+         "last backward, the first in one block between its forwards and its backwards",
     unit="ms")
 
 
