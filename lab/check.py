@@ -86,14 +86,15 @@ class Report:
         self.exactness = exactness.table(yours, self.stages, micro)
         widest = max(self.stages)
         self.statistics = exactness.running_statistics(yours, widest, max(micro))
-        self.plans = plan.plans(yours, self.stages, micro)
+        costs = plan.measured_costs(yours, micro)
+        self.plans = plan.plans(yours, self.stages, micro, costs)
         self.best = plan.best_fitting(self.plans, budget)
         if not self.best:
             smallest = min(self.plans, key=lambda p: p.peak_bytes)
             raise Refused(f"--budget {said(budget)}: no plan fits; the smallest budget one fits is "
                           f"{said(smallest.peak_bytes)} ({smallest.label})")
         self.chosen = min(self.best.values(), key=lambda p: p.step_seconds)
-        self.balance = plan.balance(yours, self.stages, self.chosen.micro_batches)
+        self.balance = plan.balance(yours, self.stages, self.chosen.micro_batches, costs[self.chosen.micro_batches])
         self.memory = [row for schedule in plan.SCHEDULES_TRIED for checkpoint in plan.RECOMPUTE_TRIED
                        if schedule == "gpipe" or self.chosen.micro_batches >= self.chosen.stages > 1
                        for row in memory.per_stage(yours, self.chosen.cut, self.chosen.micro_batches, checkpoint,
@@ -165,11 +166,8 @@ class Report:
 
     def shares(self, cut: list[int]) -> str:
         """Each stage's share of the layers' measured time under `cut`."""
-        times, total, start, said_shares = self.balance.times, sum(self.balance.times), 0, []
-        for count in cut:
-            said_shares.append(f"{sum(times[start:start + count]) / total:.0%}")
-            start += count
-        return ", ".join(said_shares)
+        times = self.balance.times
+        return ", ".join(f"{sum(times[a:b]) / sum(times):.0%}" for a, b in memory.edges_of(cut))
 
     def page(self) -> str:
         """One HTML page: the tables and the charts (Plotly, inline, so that it opens offline)."""

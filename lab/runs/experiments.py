@@ -391,13 +391,18 @@ def chunk_bytes(config: RunConfig, model: nn.Sequential, inputs, balance: list[i
     """What a schedule's activation memory is predicted from: the storages each chunk of `balance`
     saves on one micro-batch (lab.runs.schedule_memory.measure_chunks, on copies of the layers as built),
     and the bytes of the mini-batch's input."""
+    return layer_chunks(model, balance, micro_sample(inputs, config)), tensors_of(inputs)[0].untyped_storage().nbytes()
+
+
+def layer_chunks(model: nn.Sequential, balance: list[int], sample) -> list:
+    """The storages each chunk of `balance` saves on `sample`, one micro-batch
+    (lab.runs.schedule_memory.measure_chunks), measured on copies of the layers as built."""
     from lab.runs.schedule_memory import measure_chunks
     edges = list(itertools.accumulate(balance, initial=0))
     parts = [copy.deepcopy(nn.Sequential(*list(model)[a:b])) for a, b in zip(edges, edges[1:])]
     # copies of the layers: their batch norm counters and the random state stay
     with torch.random.fork_rng(devices=[]):
-        chunks = measure_chunks(parts, micro_sample(inputs, config))
-    return chunks, tensors_of(inputs)[0].untyped_storage().nbytes()
+        return measure_chunks(parts, sample)
 
 
 def per_layer_bytes(config: RunConfig) -> tuple[list[float], list[float]]:

@@ -106,12 +106,11 @@ def cause(yours: Yours, micro: int, got: Grads, reference: Grads) -> str:
     quiet = yours
     if has(yours.model, nn.modules.dropout._DropoutNd):
         quiet = without_dropout(yours)
-        if close(pipelined(quiet, 1, micro)[0], one_device(quiet, micro=micro)) and \
-                close(pipelined(quiet, 1, micro)[0], one_device(quiet)):
-            return ("dropout: the pipeline draws each micro-batch's masks from seeded streams of its own (the same "
-                    "for every K), one device from torch's global stream; with dropout at 0 they agree")
-    alone, whole = pipelined(quiet, 1, micro)[0], one_device(quiet)
-    if micro > 1 and close(alone, one_device(quiet, micro=micro)) and not close(alone, whole):
+    alone, whole, in_turn = pipelined(quiet, 1, micro)[0], one_device(quiet), one_device(quiet, micro=micro)
+    if quiet is not yours and close(alone, in_turn) and close(alone, whole):
+        return ("dropout: the pipeline draws each micro-batch's masks from seeded streams of its own (the same "
+                "for every K), one device from torch's global stream; with dropout at 0 they agree")
+    if micro > 1 and close(alone, in_turn) and not close(alone, whole):
         if has(yours.model, nn.modules.batchnorm._BatchNorm):
             return ("batch norm: in training each micro-batch is normalized with its own statistics, as on one "
                     "device fed the micro-batches one at a time (the same for every K; M=1 is the whole batch)")
@@ -138,7 +137,8 @@ def table(yours: Yours, stages: Sequence[int], micro: Sequence[int]) -> list[Row
                 got, _ = pipelined(yours, k, m)
             except ValueError as error:
                 row.refused = str(error)
-                rows.append(row) if k in stages else None
+                if k in stages:
+                    rows.append(row)
                 continue
             first = got if k == 1 else first
             row.per_parameter = differences(got, reference)

@@ -14,8 +14,9 @@ import torch
 from engine.balance import layer_sizes, solve
 from engine.partition import split
 from engine.schedule import SCHEDULES, Schedule, timeline
-from lab.runs.schedule_memory import measure_chunks, peaks
-from lab.yours.memory import update_bytes
+from lab.runs.experiments import layer_chunks
+from lab.runs.schedule_memory import peaks
+from lab.yours.memory import edges_of, update_bytes
 from lab.yours.model import Yours
 
 SCHEDULES_TRIED = ("gpipe", "1f1b")
@@ -72,10 +73,17 @@ class Balance:
     cuts: dict                          # K -> {"by time": [...], "by size": [...], "least variance": [...]}
 
 
-def balance(yours: Yours, stages: Sequence[int], micro: int) -> Balance:
-    """The layers' measured times and sizes, and each K's cut by time (the least slowest stage), by
-    size and by the paper's least variance of the stage times."""
-    times = [f + b for f, b in layer_costs(yours, micro)]
+def measured_costs(yours: Yours, micro: Sequence[int]) -> dict[int, list[tuple[float, float]]]:
+    """`layer_costs` at each M the batch allows, and at M=1 (one device on the whole batch), once:
+    the plans and the balance read the same measurement."""
+    batch = yours.inputs.shape[0]
+    return {m: layer_costs(yours, m) for m in sorted({m for m in micro if m <= batch} | {1})}
+
+
+def balance(yours: Yours, stages: Sequence[int], micro: int, costs: list[tuple[float, float]]) -> Balance:
+    """The layers' times (`costs`, measured at this M) and sizes, and each K's cut by time (the
+    least slowest stage), by size and by the paper's least variance of the stage times."""
+    times = [f + b for f, b in costs]
     sizes = layer_sizes(yours.model, yours.inputs.chunk(micro)[0])
     cuts = {k: {"by time": solve(times, k), "by size": solve(sizes, k), "least variance": least_variance(times, k)}
             for k in stages if k <= len(times)}
@@ -105,9 +113,8 @@ class Plan:
 def replayed(costs: list[tuple[float, float]], cut: list[int], micro: int, checkpoint: str,
              schedule: str) -> tuple[float, float]:
     """(makespan, bubble) of the schedule laid on K devices, each task as long as its layers measured."""
-    edges = list(itertools.accumulate(cut, initial=0))
-    forward = [sum(f for f, _ in costs[a:b]) for a, b in zip(edges, edges[1:])]
-    backward = [sum(b for _, b in costs[a:c]) for a, c in zip(edges, edges[1:])]
+    forward = [sum(f for f, _ in costs[a:b]) for a, b in edges_of(cut)]
+    backward = [sum(b for _, b in costs[a:c]) for a, c in edges_of(cut)]
     tasks = Schedule(SCHEDULES[schedule](len(cut), micro, checkpoint, 1))
     spans = timeline(tasks, lambda k, task: forward[k] if task.op in "FR" else backward[k])
     makespan = max(end for line in spans for _, end in line)
@@ -115,36 +122,38 @@ def replayed(costs: list[tuple[float, float]], cut: list[int], micro: int, check
     return makespan, 1 - busy / (len(cut) * makespan)
 
 
-def predicted_peaks(yours: Yours, cut: list[int], micro: int, checkpoint: str, schedule: str) -> list[int]:
+def predicted_peaks(yours: Yours, cut: list[int], micro: int, checkpoint: str, schedule: str,
+                    chunks: list) -> list[int]:
     """Each stage's bytes at its high-water mark: weights, gradients and Adam's two moments (4 x its
-    parameters' bytes), and the larger of the activation peak its task lists hold
-    (lab.runs.schedule_memory) and Adam's update temporaries (lab.yours.memory.update_bytes)."""
-    edges = list(itertools.accumulate(cut, initial=0))
-    parts = [copy.deepcopy(yours.model[a:b]) for a, b in zip(edges, edges[1:])]
-    with torch.random.fork_rng(devices=[]):
-        chunks = measure_chunks(parts, yours.inputs.chunk(micro)[0])
+    parameters' bytes), and the larger of the activation peak its task lists hold on the chunks'
+    measured storages (`chunks`: lab.runs.experiments.layer_chunks of this cut and M) and Adam's
+    update temporaries (lab.yours.memory.update_bytes)."""
     tasks = Schedule(SCHEDULES[schedule](len(cut), micro, checkpoint, 1))
     activations = peaks(tasks, chunks, yours.inputs.untyped_storage().nbytes())
+    parts = [yours.model[a:b] for a, b in edges_of(cut)]
     states = [4 * sum(p.numel() * p.element_size() for p in part.parameters()) for part in parts]
     return [s + max(a, update_bytes(part)) for a, s, part in zip(activations, states, parts)]
 
 
-def plans(yours: Yours, stages: Sequence[int], micro: Sequence[int]) -> list[Plan]:
-    """Every (K, M, recompute, schedule) tried, cut by time, predicted and replayed."""
-    batch = yours.inputs.shape[0]
-    micro = [m for m in micro if m <= batch]
-    costs = {m: layer_costs(yours, m) for m in sorted(set(micro) | {1})}
+def plans(yours: Yours, stages: Sequence[int], micro: Sequence[int],
+          costs: dict[int, list[tuple[float, float]]]) -> list[Plan]:
+    """Every (K, M, recompute, schedule) tried on the `measured_costs`, cut by time, predicted and
+    replayed."""
     single = replayed(costs[1], [len(yours.model)], 1, "never", "gpipe")[0]
     found = []
-    for k, m, checkpoint, schedule in itertools.product(stages, micro, RECOMPUTE_TRIED, SCHEDULES_TRIED):
-        if k > len(yours.model) or (schedule == "1f1b" and (m < k or k == 1)):  # K=1: 1F1B is GPipe
+    for k, m in itertools.product(stages, [m for m in micro if m in costs]):
+        if k > len(yours.model):
             continue
         cut = solve([f + b for f, b in costs[m]], k)
         if not cuttable(yours, cut):
             continue
-        step, bubble = replayed(costs[m], cut, m, checkpoint, schedule)
-        found.append(Plan(k, m, checkpoint, schedule, cut, max(predicted_peaks(yours, cut, m, checkpoint, schedule)),
-                          step, bubble, single / step))
+        chunks = layer_chunks(yours.model, cut, yours.inputs.chunk(m)[0])  # once per cut and M
+        for checkpoint, schedule in itertools.product(RECOMPUTE_TRIED, SCHEDULES_TRIED):
+            if schedule == "1f1b" and (m < k or k == 1):  # K=1: 1F1B is GPipe
+                continue
+            step, bubble = replayed(costs[m], cut, m, checkpoint, schedule)
+            peak = max(predicted_peaks(yours, cut, m, checkpoint, schedule, chunks))
+            found.append(Plan(k, m, checkpoint, schedule, cut, peak, step, bubble, single / step))
     return found
 
 
