@@ -117,7 +117,8 @@ def controls() -> RunConfig:
     offered = chunks_offered(schedule)
     virtual = (slider("chunks per stage v", offered[0], offered[-1], offered[0], key="virtual")
                if len(offered) > 1 else offered[0])
-    said = {"uniform": "equal layer counts", "time": "by measured time", "size": "by memory"}
+    said = {"uniform": "equal layer counts", "blocks": "equal block counts", "time": "by measured time",
+            "size": "by memory"}
     balance = side.radio("balance", BALANCES, key="balance", format_func=said.get)
     gpus = visible_gpus()
     device = side.radio("stages run on", ("cpu", "cuda"), key="device", horizontal=True,

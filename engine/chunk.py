@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import threading
 import weakref
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Optional
@@ -48,7 +49,7 @@ class Chunk:
     """Chunk `index` of `count`: layers `first .. first+len-1` of the model, on its stage's device."""
 
     def __init__(self, index: int, count: int, partition: Partition, first: int,
-                 device: StageDevice, deferred_batch_norm: bool, stage: int):
+                 device: StageDevice, deferred_batch_norm: bool, stage: int, autocast: Optional[torch.dtype] = None):
         self.index = index
         self.count = count
         self.stage = stage  # the stage that runs this chunk
@@ -57,6 +58,7 @@ class Chunk:
         self.partition = partition
         self.layer_ids = list(range(first, first + len(partition)))
         self.device = device
+        self.autocast = autocast
         bn_layers = batch_norm_layers(partition)
         self.batch_norm = StageBatchNorm(bn_layers, deferred_batch_norm) if bn_layers else None
         self._has_batch_norm = [bool(batch_norm_layers(layer)) for layer in partition]
@@ -246,7 +248,7 @@ class Chunk:
 
         self._capture = None if noted is None else (threading.get_ident(), noted)
         try:
-            with self.partition.running(each_layer) as partition:
+            with self._casting(), self.partition.running(each_layer) as partition:
                 if not counting:
                     return partition(x), None  # through nn.Module.__call__, so hooks on the partition run
                 with self.ledger.saving(watch=noted is not None) as holding:
@@ -254,6 +256,12 @@ class Chunk:
                 return out, holding
         finally:
             self._capture = None
+
+    def _casting(self):
+        """The chunk's torch.autocast, alike in F and R, or nothing."""
+        if self.autocast is None:
+            return nullcontext()
+        return torch.autocast(self.device.device.type, dtype=self.autocast)
 
     def _release(self, holding: Optional[Holding]) -> None:
         if holding is not None:
@@ -263,7 +271,8 @@ class Chunk:
 
     def _loss(self, output: Value, micro: int) -> torch.Tensor:
         target = self.device.to_here(self.call.targets[micro])
-        loss = self.call.loss_fn(output, target)
+        with self._casting():
+            loss = self.call.loss_fn(output, target)
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             raise TypeError(f"loss_fn must return a scalar tensor (mean over the micro-batch), got {loss!r}")
         return loss.reshape(())

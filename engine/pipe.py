@@ -27,25 +27,26 @@ class GPipe(nn.Module):
     micro-batch) pairs it runs an R task for.
 
     `schedule` orders the tasks (engine/schedule.py): "gpipe" (fill-drain, the default), "1f1b"
-    (same gradients up to summation order, fewer micro-batches held at once), "interleaved"
+    (fewer micro-batches held), "interleaved"
     (`virtual_stages=v` chunks per stage, chunk c on stage c % K; `balance` then describes the K*v
     chunks, an int meaning K stages of v chunks; M must be a multiple of K), "zb-h1" (each backward
     split into an input-gradient task B and a deferred weight-gradient task W), "zb-v" (two chunks
     per stage in a V, W split off), or a `schedule.Schedule` a person wrote (its own K, v, placement
-    and M; checked here, and refused with the first problem named).
-    The stages are made of the model's own layers (nothing is copied), so an optimizer over
-    `pipe.parameters()` (or, on CPU, over the model's) trains the model itself. Gradients equal
+    and M; refused with its first problem named).
+    The stages are the model's own layers (nothing is copied): an optimizer over
+    `pipe.parameters()` (on CPU, the model's) trains the model itself. Gradients equal
     those of the whole mini-batch on one device; see docs/engine.md for what "equal" means bit for bit.
 
-    `devices` says where the stages run, the same way for every K: None (the default) keeps them
-    where the model is (a model built on the CPU stays there, even on a host with GPUs); a device
-    name puts every stage there, "cuda" spreads them over the visible GPUs; a list names one device
-    per stage.
+    `autocast=torch.bfloat16` (or float16) runs each task (recompute included) under torch.autocast.
 
-    `pipe.runner` runs each call (the Runner protocol, engine/runner.py): every stage a thread of
-    this process, or, with `group=` (a torch.distributed group of K ranks), rank i runs stage i in its
-    own process. Every rank builds the same model and calls the same methods; each keeps only its
-    stage's layers, and `pipe.parameters()` are its stage's; "cuda" means cuda:LOCAL_RANK there.
+    `devices`: None (the default) keeps the stages where the model is (a model built on the CPU
+    stays there, even beside GPUs); a device name puts every stage there, "cuda" spreads them over
+    the visible GPUs; a list names one device per stage.
+
+    `pipe.runner` runs each call (engine/runner.py): every stage a thread of this process, or, with
+    `group=` (a torch.distributed group of K ranks), rank i runs stage i in its own process. Every
+    rank builds the same model and calls the same methods; each keeps only its stage's layers
+    (`pipe.parameters()`); "cuda" means cuda:LOCAL_RANK there.
 
     With `data_parallel=` as well (the ranks that run this stage in the other pipelines, such as a
     DeviceMesh's "dp" group, `group` being its "pp" group), D pipelines train as replicas: each
@@ -59,7 +60,7 @@ class GPipe(nn.Module):
                  devices: Optional[Sequence] = None, chunks: int = 1, checkpoint: str = "except_last",
                  deferred_batch_norm: bool = False, seed: Optional[int] = None, threads_per_stage: Optional[int] = None,
                  record_memory: bool = True, schedule: Union[str, schedules.Schedule] = "gpipe",
-                 group=None, virtual_stages: int = 1, data_parallel=None):
+                 group=None, virtual_stages: int = 1, data_parallel=None, autocast: Optional[torch.dtype] = None):
         super().__init__()
         if data_parallel is not None and group is None:
             raise ValueError("data_parallel= needs group= too: replicas of a pipeline are processes, each running "
@@ -92,6 +93,9 @@ class GPipe(nn.Module):
         self.threads_per_stage = threads_per_stage
         self.record_memory = record_memory
         self.deferred_batch_norm = deferred_batch_norm
+        if autocast not in (None, torch.bfloat16, torch.float16):
+            raise ValueError(f"autocast={autocast!r}: expected None, torch.bfloat16 or torch.float16")
+        self.autocast = autocast
         if group is None:
             self.rank = None
             self.devices = resolve_devices(devices, stages, module)
@@ -109,7 +113,8 @@ class GPipe(nn.Module):
         for stage, stage_device in stage_devices.items():
             for c in (c for c in range(count) if self.placement[c] == stage):
                 partitions[c].to(stage_device.device)
-                chunk_map[c] = Chunk(c, count, partitions[c], firsts[c], stage_device, deferred_batch_norm, stage)
+                chunk_map[c] = Chunk(c, count, partitions[c], firsts[c], stage_device, deferred_batch_norm, stage,
+                                     self.autocast)
         self.local_chunks = sorted(chunk_map)  # the chunks this process runs, in model order
         self.partitions = nn.ModuleList([partitions[c] for c in self.local_chunks])
         self._local = LocalStages(chunk_map, stage_devices, count)

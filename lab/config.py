@@ -12,8 +12,9 @@ from dataclasses import dataclass, replace
 from engine.schedule import SCHEDULES, check_checkpoint_mode, check_layout, check_schedule
 from lab.zoo import card
 
-BALANCES = ("uniform", "time", "size")
+BALANCES = ("uniform", "blocks", "time", "size")
 TRANSPORTS = ("threads", "processes")
+PRECISIONS = ("float32", "bf16")
 SCHEDULE_ORDER = tuple(name for name, kind in SCHEDULES.items() if kind.compared)  # the ones the lab races
 
 
@@ -30,11 +31,13 @@ class RunConfig:
     checkpoint: str = "except_last"
     schedule: str = "gpipe"      # or another name in engine.schedule.SCHEDULES: the orders that came after GPipe
     virtual_stages: int = 1      # chunks of layers per stage (v): as many as the schedule places (its Kind says)
-    balance: str = "uniform"     # uniform (by layer count), time or size
+    balance: str = "uniform"     # uniform (by layer count), blocks (equal block counts), time or size
     seed: int = 0
     device: str = "cpu"          # "cpu": every stage on the CPU; "cuda": stages spread over the GPUs
     threads_per_stage: int = 1   # on CPU: one core per stage, as the paper has one chip per stage
     transport: str = "threads"   # stages as threads of this process, or "processes" (one each, gloo)
+    context: int = 0             # a sequence model's tokens per sample; 0: its card's (the zoo's 32 characters)
+    precision: str = "float32"   # or "bf16": every task under torch.autocast in bfloat16, recompute included
 
     @property
     def layers(self) -> int:
@@ -104,10 +107,18 @@ def check(config: RunConfig) -> None:
     check_layout(config.schedule, config.stages, config.micro_batches, config.virtual_stages, config.layers)
     if config.balance not in BALANCES:
         raise ValueError(f"balance={config.balance!r}: expected one of {BALANCES}")
+    if config.balance == "blocks" and config.stages * config.virtual_stages > config.blocks:
+        raise ValueError(f"balance='blocks' with {config.stages * config.virtual_stages} chunks but {config.blocks} "
+                         f"blocks: expected at most one chunk per block")
     if config.device not in ("cpu", "cuda"):
         raise ValueError(f"device={config.device!r}: expected 'cpu' or 'cuda'")
     if config.transport not in TRANSPORTS:
         raise ValueError(f"transport={config.transport!r}: expected one of {TRANSPORTS}")
+    if config.precision not in PRECISIONS:
+        raise ValueError(f"precision={config.precision!r}: expected one of {PRECISIONS}")
+    if config.context < 0 or (config.context and not card(config.model).sequence):
+        raise ValueError(f"context={config.context}: " + ("expected a length of at least 1, or 0 for the model's own"
+                         if config.context < 0 else f"the {config.model} has no sequence; leave context at 0"))
     if config.device == "cuda" and not _cuda_available():
         raise ValueError("device='cuda' but this host has no CUDA GPU (torch.cuda.is_available() is False)")
     if config.device == "cuda" and config.transport == "processes":
@@ -136,7 +147,8 @@ def check_page(config: RunConfig) -> None:
                "width": (config.width, model.page_widths), "batch": (config.batch, model.page_batches),
                "K": (config.stages, range(1, PAGE_STAGES + 1)), "M": (config.micro_batches, range(1, PAGE_MICRO + 1)),
                "v": (config.virtual_stages, chunks_offered(config.schedule)),
-               "seed": (config.seed, range(PAGE_SEED + 1)), "threads per stage": (config.threads_per_stage, (1,))}
+               "seed": (config.seed, range(PAGE_SEED + 1)), "threads per stage": (config.threads_per_stage, (1,)),
+               "context": (config.context, (0,)), "precision": (config.precision, ("float32",))}
     for name, (value, allowed) in offered.items():
         if value not in allowed:
             offers = f"{allowed[0]} to {allowed[-1]}" if isinstance(allowed, range) else ", ".join(map(str, allowed))

@@ -27,7 +27,7 @@ import torch
 from tqdm import tqdm
 
 from lab import theory, zoo
-from lab.config import APP_DEFAULT, MEASURE_ROUNDS, MEASURE_WARMUP, RunConfig, measure_rounds
+from lab.config import APP_DEFAULT, MEASURE_ROUNDS, MEASURE_WARMUP, PRECISIONS, RunConfig, measure_rounds
 from lab.config import check as check_config
 from lab.engine_time import peers
 from lab.machine import host
@@ -71,6 +71,9 @@ def parser() -> argparse.ArgumentParser:
                                  help="measured cells: stages as threads or one process per stage (default: "
                                       "processes on 2+ GPUs, NCCL between them, with threads measured beside; "
                                       "else threads)")
+            command.add_argument("--precision", default="float32", choices=list(PRECISIONS),
+                                 help="float32 (default), or bf16: every task under torch.autocast in bfloat16, "
+                                      "recompute included; on GPUs the table is sized for it")
         if name == "transports":
             default = APP_DEFAULT
             command.add_argument("--model", default=default.model, help=f"zoo model (default {default.model})")
@@ -136,13 +139,15 @@ def check(args: argparse.Namespace) -> None:
 
 def model_line(base: RunConfig) -> str:
     """The header line that says which zoo model a table trained, and at what size."""
-    return f"# model {base.model}: {base.blocks} blocks ({base.layers} layers), width {base.width}, batch {base.batch}"
+    context = f", context {base.context}" if base.context else ""
+    return (f"# model {base.model}: {base.blocks} blocks ({base.layers} layers), width {base.width}{context}, "
+            f"batch {base.batch}")
 
 
 def speedup_config(args) -> RunConfig:
     """The model each speedup cell trains (speedup.table_setting): 8 layers, so K runs up to 8."""
     return speedup.table_setting(args.device, args.quick, model=args.model, seed=args.seed,
-                                 transport=speedup_transport(args))
+                                 transport=speedup_transport(args), precision=args.precision)
 
 
 def speedup_transport(args) -> str:
@@ -190,6 +195,7 @@ def speedup_rows(args, progress) -> Iterator[dict]:
                "ideal without recompute K*M/(M+K-1)": round(theory.ideal_speedup(*key), 2),
                "bubble": round(cell.bubble, 3),
                **({} if cell.gpu_ratio is None else {"GPU/host time per task": round(cell.gpu_ratio, 1)}),
+               **({} if cell.tflops is None else {"TFLOP/s per stage": ", ".join(f"{t:.1f}" for t in cell.tflops)}),
                **({} if cell.threads_vs_same_m is None else
                   {"threads beside: vs K=1, same M": round(cell.threads_vs_same_m, 2)}),
                "how": cell.label}
@@ -359,10 +365,12 @@ def setting_lines(name: str, args) -> list[str]:
                      f"width {base.width}, batch {base.batch}, M {base.micro_batches}")
     if name == "speedup":
         base = speedup_config(args)
-        lines.append(f"{model_line(base)}, checkpoint {base.checkpoint}, device {base.device}, stages as "
+        lines.append(f"{model_line(base)}, checkpoint {base.checkpoint}, precision {base.precision}, balance "
+                     f"{base.balance}, device {base.device}, stages as "
                      f"{base.transport} (K=1 and replayed cells: threads)")
         on_gpus = args.device == "cuda"
-        sizing = speedup.gpu_sizing(args.quick, args.model, args.seed, base.transport) if on_gpus else None
+        sizing = speedup.gpu_sizing(args.quick, args.model, args.seed, base.transport, base.precision) \
+            if on_gpus else None
         if sizing is not None:
             lines.append(f"# {sizing.describe()}; a cell whose lowest stage is under {speedup.GPU_FLOOR:g}x is "
                          f"launch-bound: Python, not the GPU, set its pace, so it is not called measured")
@@ -448,7 +456,7 @@ ALL = ("speedup", "memory", "peers")
 def main(argv: Iterable[str] = None) -> int:
     args = parser().parse_args(argv)
     try:
-        check(args)  # on a GPU this sizes the table's model (lab.studies.speedup.sized_for_gpu): minutes
+        check(args)  # on a GPU this sizes the table's model (lab.studies.gpu_sizing): about two minutes
     except ValueError as error:
         print(f"python -m lab.reproduce: error: {error}", file=sys.stderr)
         return 2

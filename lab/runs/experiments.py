@@ -32,6 +32,7 @@ from lab.processes.sources import OWN, Pools
 from lab.runs.stepper import Stepper
 
 RECIPE = zoo.build   # a zoo model by name: what stage processes build
+AUTOCAST = {"float32": None, "bf16": torch.bfloat16}  # a configuration's precision: GPipe's autocast=
 
 
 @dataclass
@@ -125,11 +126,13 @@ def devices_for(config: RunConfig) -> list[str]:
     return [str(device) for device in spread(config.device, config.stages)]
 
 
-def build(config: RunConfig) -> tuple[nn.Sequential, tuple, Callable]:
-    """The model, one mini-batch (inputs, targets) and the loss function of a configuration."""
-    entry = zoo.get(config.model)
-    model = entry.build(config.blocks, config.width, config.seed)
-    return model, entry.batch(config.batch, config.width, config.seed), entry.loss_fn
+def build(config: RunConfig, on: str = "cpu") -> tuple[nn.Sequential, tuple, Callable]:
+    """The model (made on device `on`: a wide one takes seconds to initialise on the host), one
+    mini-batch (inputs, targets, on the host) and the loss function of a configuration."""
+    entry, lengths = zoo.get(config.model), zoo.lengths(config.context)
+    with torch.device(on) if on != "cpu" else nullcontext():  # a mode: every torch call through Python
+        model = entry.build(config.blocks, config.width, config.seed, **lengths)
+    return model, entry.batch(config.batch, config.width, config.seed, **lengths), entry.loss_fn
 
 
 def micro_sample(inputs, config: RunConfig):
@@ -143,10 +146,25 @@ def choose_balance(config: RunConfig, model: nn.Sequential, inputs) -> list[int]
     chunks = config.stages * config.virtual_stages
     if config.balance == "uniform":
         return even_balance(config.layers, chunks)
+    if config.balance == "blocks":
+        return block_balance(model, chunks)
     sample = micro_sample(inputs, config)
     if config.balance == "time":
         return balance_by_time(chunks, model, profiled_on(config, sample))
     return balance_by_size(chunks, model, sample)
+
+
+def block_balance(model: nn.Sequential, chunks: int) -> list[int]:
+    """Layers per chunk giving each chunk an equal share of the model's blocks (its most frequent kind
+    of layer): the layers before the first block join the first chunk, those after the last the last
+    (a Transformer's embedding and head, which cost a small part of a block, beside blocks)."""
+    kinds = [type(layer) for layer in model]
+    block = max(kinds, key=kinds.count)
+    first, last = kinds.index(block), len(kinds) - kinds[::-1].index(block)
+    counts = even_balance(last - first, chunks)
+    counts[0] += first
+    counts[-1] += len(kinds) - last
+    return counts
 
 
 def profiled_on(config: RunConfig, sample):
@@ -163,10 +181,10 @@ def layer_costs(config: RunConfig) -> list[float]:
 
 
 def pipe_options(config: RunConfig) -> dict:
-    """How the lab pipelines a configuration: deferred batch norm, seeded randomness."""
+    """How the lab pipelines a configuration: deferred batch norm, seeded randomness, its precision."""
     return dict(chunks=config.micro_batches, checkpoint=config.checkpoint, schedule=config.schedule,
                 virtual_stages=config.virtual_stages, seed=config.seed, deferred_batch_norm=True,
-                threads_per_stage=config.threads_per_stage)
+                threads_per_stage=config.threads_per_stage, autocast=AUTOCAST[config.precision])
 
 
 def pipeline(config: RunConfig, model: nn.Sequential, balance, record_memory: bool = False) -> GPipe:
@@ -284,7 +302,7 @@ def stepper_for(config: RunConfig, balance: list[int], model: Optional[nn.Sequen
     this process (on `model` if given, the configuration's model built here) or, with
     `transport="processes"`, on stage processes held from `pools` meanwhile (`on_wait` is called if
     another run holds them). `schedule`, a written engine.schedule.Schedule, replaces the named one."""
-    recipe = dict(name=config.model, blocks=config.blocks, width=config.width, seed=config.seed)
+    recipe = dict(name=config.model, blocks=config.blocks, width=config.width, seed=config.seed, context=config.context)
     options = {**pipe_options(config), **({} if schedule is None else {"schedule": schedule})}
     if config.transport == "processes":
         with pools.hold(config.stages, config.threads_per_stage, on_wait, config.device) as pool:
@@ -469,9 +487,9 @@ def training_curve(config: RunConfig, steps: int, lr: float = 3e-3) -> list[floa
     Each step draws a fresh mini-batch (seeded by step), so the curve is a real training curve.
     """
     check(config)
-    entry = zoo.get(config.model)
-    model = entry.build(config.blocks, config.width, config.seed)
-    balance = choose_balance(config, model, entry.batch(config.batch, config.width, config.seed)[0])
-    batches = [entry.batch(config.batch, config.width, config.seed + 1 + step) for step in range(steps)]
+    entry, lengths = zoo.get(config.model), zoo.lengths(config.context)
+    model, (inputs, _), _ = build(config)
+    balance = choose_balance(config, model, inputs)
+    batches = [entry.batch(config.batch, config.width, config.seed + 1 + step, **lengths) for step in range(steps)]
     with stepper_for(config, balance, model, optimizer=("torch.optim.Adam", {"lr": lr})) as pipe:
         return [pipe.step(x, y, entry.loss_fn)[0] for x, y in batches]

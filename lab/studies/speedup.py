@@ -10,25 +10,22 @@ with a measured step would flatter it).
 
 On a GPU a task is worth timing only if the GPU, not Python, sets its pace: each stage's tasks
 are issued by a host thread, and a small model's kernels finish before the next one is launched.
-So the GPU table's model is sized by measurement (`sized_for_gpu`): grown until every stage's GPU
-time (gated: its kernels back to back, `stage_ratios`) is GPU_TARGET times the host time spent
-issuing it, at the table's smallest tasks; and a cell whose stages fall under GPU_FLOOR is not
-called measured, nor replayed as if its task times were the GPU's.
+So the GPU table's model is sized for the GPU at hand (lab.studies.gpu_sizing), and a cell whose
+stages fall under GPU_FLOOR (`stage_ratios` of its tasks timed alone) is not called measured, nor
+replayed as if its task times were the GPU's.
 """
 from __future__ import annotations
 
 import itertools
-import json
-import os
-from dataclasses import asdict, dataclass
-from functools import lru_cache
+from dataclasses import dataclass
 from typing import Callable, Iterable, Iterator, Optional
 
 from lab import zoo
 from lab.config import MEASURE_WARMUP, RunConfig
 from lab.machine import host
 from lab.processes.sources import OWN, SHARED, Pools
-from lab.runs.experiments import RunRecord, build, choose_balance, parallel_devices, pipeline, run, solo_events
+from lab.runs.experiments import RunRecord, build, parallel_devices, run
+from lab.studies.gpu_sizing import gpu_sizing, gpu_start, stage_tflops
 from lab.timelines import replay
 
 # The recompute setting of every speedup table: each micro-batch re-materialized (GPipe as the
@@ -38,60 +35,33 @@ from lab.timelines import replay
 TABLE_CHECKPOINT = "always"
 
 
-GPU_TARGET = 10.0  # GPU time over host time per task that the GPU table's model is grown to, on every stage
 GPU_FLOOR = 3.0    # under this a cell is launch-bound: not measured, nor replayed as the GPU's time
-# (width, batch) of the GPU table's Transformer in the order `sized_for_gpu` tries them: ever more
-# work per task for the same launches (the zoo's sequences are 32 characters long)
-GPU_LADDER = ((1024, 128), (1024, 256), (2048, 256), (2048, 512), (4096, 256), (4096, 512), (4096, 1024))
-GPU_LADDER_QUICK = ((256, 64), (512, 64), (1024, 64), (1024, 128))
-HOST_SHARE = 0.7   # of the host memory free at sizing, what the table's models may take to build
-SIZING_FILE = "GPIPE_LAB_SIZING_FILE"  # environment variable: where a sizing is kept for later processes
 
 
 def table_setting(device: str = "cpu", quick: bool = False, model: str = "transformer", seed: int = 0,
-                  transport: str = "threads") -> RunConfig:
+                  transport: str = "threads", precision: str = "float32") -> RunConfig:
     """The model every speedup table trains, sized for the device by its card (lab.zoo): 8 layers, so
     that K=8 holds one each, at the card's widths and batches (small enough on a CPU for a core per
-    stage); for a card that leaves its GPU sizes to the GPU, a paper-like depth (24 blocks, 14 with
-    `quick`) that `sized_for_gpu` grows where a GPU is present. `quick` shrinks it for smoke runs."""
+    stage); for a card that leaves its GPU sizes to the GPU, the size lab.studies.gpu_sizing finds
+    for the GPUs present (its smallest candidate where there are none). `quick` shrinks it for smoke runs."""
     card = zoo.card(model)
     if device == "cuda" and card.gpu_table is None:
-        sizing = gpu_sizing(quick, model, seed, transport)
-        return sizing.config if sizing is not None else gpu_start(quick, model, seed, transport)
+        sizing = gpu_sizing(quick, model, seed, transport, precision)
+        return sizing.config if sizing is not None else gpu_start(quick, model, seed, transport, precision)
     width, batch = (card.cpu_table if device == "cpu" else card.gpu_table)[0 if quick else 1]
     return RunConfig(model=model, blocks=max(1, 8 - card.extra_layers), width=width, batch=batch,
-                     checkpoint=TABLE_CHECKPOINT, seed=seed, device=device, transport=transport)
-
-
-def gpu_start(quick: bool = False, model: str = "transformer", seed: int = 0, transport: str = "threads") -> RunConfig:
-    """The GPU table's Transformer before sizing: paper-like depth (24 blocks; 14 with `quick`, so
-    that cut for K=8 every stage holds a block, not the embedding or the head alone) at the first
-    rung of GPU_LADDER."""
-    width, batch = (GPU_LADDER_QUICK if quick else GPU_LADDER)[0]
-    return RunConfig(model=model, blocks=14 if quick else 24, width=width, batch=batch, checkpoint=TABLE_CHECKPOINT,
-                     seed=seed, device="cuda", transport=transport)
+                     checkpoint=TABLE_CHECKPOINT, seed=seed, device=device, transport=transport, precision=precision)
 
 
 def block_shares(config: RunConfig) -> list[float]:
-    """Each stage's share of the work when the configuration's Transformer is cut by equal layer
-    counts (the tables' cut), counted in blocks: the embedding does no multiply-adds and the head
-    well under 1 % of a block's at the GPU table's widths (lab.runs.counts.layer_flops)."""
-    from lab.runs.experiments import build, even_balance
-    model = build(config.but(width=8, batch=config.micro_batches, device="cpu"))[0]
+    """Each stage's share of the work when the configuration's Transformer is cut as its balance says
+    (the GPU table's: equal block counts), counted in blocks: the embedding does no multiply-adds and
+    the head well under 1 % of a block's at the GPU table's widths (lab.runs.counts.layer_flops)."""
+    from lab.runs.experiments import choose_balance
+    model, (inputs, _), _ = build(config.but(width=8, batch=config.micro_batches, device="cpu"))
     blocks = [type(layer).__name__ == "Block" for layer in model]
-    edges = list(itertools.accumulate(even_balance(len(blocks), config.stages), initial=0))
+    edges = list(itertools.accumulate(choose_balance(config, model, inputs), initial=0))
     return [sum(blocks[a:b]) / sum(blocks) for a, b in zip(edges, edges[1:])]
-
-
-def gpu_sizing(quick: bool = False, model: str = "transformer", seed: int = 0,
-               transport: str = "threads") -> Optional["Sizing"]:
-    """The measured sizing of the GPU table's model (`sized_for_gpu`, done once per process); None
-    where there is no GPU to measure on, or for a model whose card fixes its GPU sizes."""
-    import torch
-    if zoo.card(model).gpu_table is not None or not torch.cuda.is_available():
-        return None
-    start = gpu_start(quick, model, seed, transport)
-    return kept_sizing(start, quick, lambda: sized_for_gpu(start, quick))
 
 
 def table_transport(device: str) -> str:
@@ -103,32 +73,10 @@ def table_transport(device: str) -> str:
     return "processes" if several and not host.exclusive_gpus() else "threads"
 
 
-def kept_sizing(start: RunConfig, quick: bool, size: Callable[[], "Sizing"]) -> "Sizing":
-    """`size()`, or the sizing a process before this one found for the same start on these GPUs, kept
-    in the file SIZING_FILE names (the doctor sets it for its run: its sizing row, then reproduce
-    --quick, size once, not twice, within the report's minutes)."""
-    import torch
-    path = os.environ.get(SIZING_FILE)
-    key = {"start": asdict(start), "quick": quick, "gpus": host.gpus(), "torch": torch.__version__}
-    if path and os.path.exists(path):
-        with open(path) as file:
-            kept = json.load(file)
-        if kept["key"] == key:
-            config = RunConfig(**kept["config"])
-            return Sizing(config, tuple(kept["ratios"]), tuple((w, b, r if isinstance(r, str) else tuple(r))
-                                                                 for w, b, r in kept["tried"]))
-    sizing = size()
-    if path:
-        with open(path, "w") as file:
-            json.dump({"key": key, "config": asdict(sizing.config),
-                       "ratios": sizing.ratios, "tried": sizing.tried}, file)
-    return sizing
-
-
 def stage_ratios(events: list[dict], stages: int) -> list[float]:
     """Per stage, the GPU seconds of its tasks over the host seconds spent issuing them (Event.host),
-    from a step run one task at a time. Gated (`serial="gated"`, engine.device.Gate, as `gpu_ratios`
-    runs it), each task's kernels wait until the host has issued them all, then run back to back, so
+    from a step run one task at a time. Gated (`serial="gated"`, engine.device.Gate, as the sizing's
+    probes run it), each task's kernels wait until the host has issued them all, then run back to back, so
     the GPU seconds are the GPU's work alone and the ratio reads below 1 where the host sets the pace;
     timed from an idle stream without the gate (a record's solo events), the GPU never takes less
     than the host, and the ratio reads 1.0 however launch-bound. 1.0 for a stage on a CPU, where the
@@ -138,91 +86,6 @@ def stage_ratios(events: list[dict], stages: int) -> list[float]:
         gpu[e["stage"]] += e["end"] - e["start"]
         issued[e["stage"]] += e.get("host", 0.0) or (e["end"] - e["start"])
     return [g / h if h > 0 else 1.0 for g, h in zip(gpu, issued)]
-
-
-def gpu_ratios(config: RunConfig) -> list[float]:
-    """`stage_ratios` of one step of `config` run one task at a time (after a warm-up)."""
-    model, (inputs, targets), loss_fn = build(config)
-    pipe = pipeline(config, model, choose_balance(config, model, inputs))
-    try:
-        return stage_ratios(solo_events(pipe, inputs, targets, loss_fn, serial="gated"), config.stages)
-    finally:
-        pipe.close()
-
-
-@dataclass(frozen=True)
-class Sizing:
-    """What `sized_for_gpu` chose and why: the setting, each stage's GPU-over-host ratio at the
-    table's hardest cell, and every (width, batch, ratios or "out of memory") it tried."""
-
-    config: RunConfig
-    ratios: tuple[float, ...]
-    tried: tuple[tuple[int, int, object], ...]
-
-    def describe(self) -> str:
-        """One line for a table's header."""
-        steps = "; ".join(f"width {w}, batch {b}: " + (r if isinstance(r, str) else f"min {min(r):.1f}x")
-                          for w, b, r in self.tried)
-        ratios = ", ".join(f"{r:.1f}" for r in self.ratios)
-        stopped = bool(self.tried) and isinstance(self.tried[-1][2], str)   # out of memory, or too large to build
-        verdict = ("met" if self.ratios and min(self.ratios) >= GPU_TARGET
-                   else "NOT met (largest that fit)" if stopped else "NOT met (the ladder's last rung)")
-        return (f"sized for the GPU by measurement: width {self.config.width}, batch {self.config.batch}; GPU time "
-                f"over host time per task, per stage at the hardest cell: {ratios} (target {GPU_TARGET:g}x: "
-                f"{verdict}); tried {steps}")
-
-
-def host_bytes_to_build(config: RunConfig, stages: int) -> int:
-    """Host memory the table needs to build `config`'s model: its float32 weights in this process
-    (built on the host, then moved to the GPUs), and in each of `stages` stage processes too when the
-    stages are processes (each builds the whole model, then keeps its part). Counted on the meta
-    device: nothing is allocated."""
-    import torch
-    with torch.device("meta"):
-        model = zoo.build(config.model, config.blocks, config.width, config.seed)
-    weights = sum(p.numel() * p.element_size() for p in model.parameters())
-    return weights * (1 + (stages if config.transport == "processes" else 0))
-
-
-@lru_cache(maxsize=None)
-def sized_for_gpu(start: RunConfig, quick: bool = False, stages: int = 8, micro: int = 32,
-                  probe: Callable[[RunConfig], list[float]] = gpu_ratios,
-                  host_bytes: Callable[[], int] = host.available_host_bytes) -> Sizing:
-    """Grow the GPU table's Transformer along GPU_LADDER (width, then batch) until every stage's
-    GPU time is GPU_TARGET times its host time at the table's hardest cell, K=`stages` (at most
-    its layers) and M=`micro`, where tasks are smallest; a rung that runs out of memory there, or
-    at K=1, M=1 (the whole batch at once), ends the climb at the rung before it, as does one whose
-    model the host could not build (HOST_SHARE of `host_bytes()`, `host_bytes_to_build`)."""
-    chosen, ratios, tried = start, (), []
-    for width, batch in GPU_LADDER_QUICK if quick else GPU_LADDER:
-        candidate = start.but(width=width, batch=batch)
-        needed = host_bytes_to_build(candidate, min(stages, candidate.layers))
-        if needed > HOST_SHARE * host_bytes():
-            tried.append((width, batch, f"too large to build on this host ({needed / 2 ** 30:.0f} GiB)"))
-            break
-        try:
-            found = tuple(probe(candidate.but(stages=min(stages, candidate.layers), micro_batches=micro)))
-            probe(candidate.but(stages=1, micro_batches=1))
-        except RuntimeError as error:  # torch.cuda.OutOfMemoryError, or cuBLAS failing to allocate
-            if not out_of_memory(error):
-                raise
-            tried.append((width, batch, "out of memory"))
-            break
-        finally:
-            host.free_gpu_memory()
-        chosen, ratios = candidate, found
-        tried.append((width, batch, found))
-        if min(found) >= GPU_TARGET:
-            break
-    return Sizing(chosen, ratios, tuple(tried))
-
-
-def out_of_memory(error: BaseException) -> bool:
-    """Whether a GPU ran out of memory: the allocator's own error, or a library's (cuBLAS, cuDNN)
-    that failed to allocate its workspace."""
-    import torch
-    text = str(error)
-    return isinstance(error, torch.cuda.OutOfMemoryError) or "out of memory" in text or "ALLOC_FAILED" in text
 
 
 @dataclass(frozen=True)
@@ -240,6 +103,7 @@ class Cell:
     # on any host (with replay_all): what claims about scaling are checked on
     gpu_ratio: Optional[float] = None  # on GPUs: the lowest stage's GPU time over host time per task
     threads_vs_same_m: Optional[float] = None  # on GPUs, a cell measured with processes: threads' speedup beside
+    tflops: Optional[tuple[float, ...]] = None  # on GPUs, for the GPU table's model: each stage's TFLOP/s, tasks alone
     equal_stages: Optional[float] = None  # with replay_all: the replay with every op at its mean time (stages made
     # equal) over one device running the same tasks; it depends only on the schedule and the ops' cost
     # ratios, so claims about the shape of the table are judged on it on any host
@@ -305,6 +169,7 @@ def measure_table(base: RunConfig, stages: Iterable[int] = (1, 2, 4, 8), micro: 
     measured with processes is measured with threads too (`Cell.threads_vs_same_m`). The cells'
     stage processes come from `pools`: by default the shared pool, kept up from cell to cell."""
     stages, micro = list(stages), list(micro)
+    sized_here = base.device == "cuda" and zoo.card(base.model).gpu_table is None  # the sized Transformer
     single: dict[tuple[int, str], float] = {}  # (M, how) -> K=1 samples/s
     pair: dict[str, float] = {}                # how -> K=2 samples/s at the first M (measured and replayed)
     for m in micro:
@@ -340,6 +205,7 @@ def measure_table(base: RunConfig, stages: Iterable[int] = (1, 2, 4, 8), micro: 
                 yield Cell(k, m, rate, rate / single[(first, norm)], rate / single[(m, norm)], how, bubble, transport,
                            rate / pair[norm] if norm in pair else None,
                            replayed / single[(m, "ideal replay")] if replay_all else None, cell_ratio(record), threads,
+                           stage_tflops(RunConfig(**record.config), record.solo_events) if sized_here else None,
                            replay.with_mean_costs(record, per_stage=False).over_one_device if replay_all else None)
 
 

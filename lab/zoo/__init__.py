@@ -6,7 +6,8 @@ Reading map:
 2. `mlp.py`: the shortest model file; `transformer.py`, `cnn.py` and `resnet.py` have the same shape
 
 A model is added by one new file here: its card, then `build(blocks, width, seed)` returning the
-nn.Sequential, `batch(size, width, seed)` returning (inputs, targets), and `loss(output, targets)`.
+nn.Sequential, `batch(size, width, seed)` returning (inputs, targets), and `loss(output, targets)`;
+a sequence model (its card's `sequence` above 0) takes `context=` in both as well.
 The app's picker, `lab.runs.experiments.run`, `python -m lab.reproduce --model` and the notebooks
 find it by its card. A model's "layers" are the entries of its nn.Sequential, the units a pipeline
 cuts between.
@@ -53,6 +54,12 @@ def get(name: str) -> ZooModel:
                     loss_fn=functions["loss"])
 
 
-def build(name: str, blocks: int, width: int, seed: int = 0):
-    """The zoo model `name` built: what stage processes call to make their own copy."""
-    return get(name).build(blocks, width, seed)
+def build(name: str, blocks: int, width: int, seed: int = 0, context: int = 0):
+    """The zoo model `name` built (a sequence model for `context` tokens per sample, 0 meaning its
+    card's): what stage processes call to make their own copy."""
+    return get(name).build(blocks, width, seed, **lengths(context))
+
+
+def lengths(context: int) -> dict:
+    """What a zoo model's build and batch are told of a run's sequence length: nothing for the card's own (0)."""
+    return {"context": context} if context else {}

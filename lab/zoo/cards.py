@@ -30,6 +30,7 @@ class Card:
     test_width: int                    # a width at which two blocks learn the task within a test's seconds
     cpu_table: tuple[Size, Size]       # the CPU speedup table's (width, batch): quick, then full
     gpu_table: Optional[tuple[Size, Size]]  # the same on GPUs, or None: grown until the GPU computes
+    sequence: int                      # a sequence model's tokens per sample (a run may ask for others); else 0
 
     def layer_count(self, blocks: int) -> int:
         """The layers of the nn.Sequential the pipeline cuts: the blocks and the rest."""

@@ -14,7 +14,7 @@ from lab.zoo.cards import Card
 CARD = Card(name="mlp", description="uniform stack of Linear+ReLU blocks learning a random teacher",
             extra_layers=0, page_blocks=8, page_widths=(128, 256, 512, 1024), page_batches=(4, 8, 16, 32, 64),
             page_width=512, page_batch=32, test_width=32, cpu_table=((32, 32), (128, 64)),
-            gpu_table=((1024, 128), (4096, 256)))
+            gpu_table=((1024, 128), (4096, 256)), sequence=0)
 ACTIVATIONS = {"relu": nn.ReLU, "tanh": nn.Tanh}
 
 

@@ -11,7 +11,7 @@ from lab.zoo.cards import Card
 CARD = Card(name="resnet", description="residual CNN with batch norm classifying bars and blobs",
             extra_layers=2, page_blocks=8, page_widths=(8, 16, 32), page_batches=(4, 8, 16, 32, 64),
             page_width=16, page_batch=32, test_width=8, cpu_table=((8, 32), (16, 64)),
-            gpu_table=((32, 64), (64, 128)))
+            gpu_table=((32, 64), (64, 128)), sequence=0)
 
 
 class Residual(nn.Module):

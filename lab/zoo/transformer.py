@@ -13,9 +13,10 @@ from lab.zoo.cards import Card
 
 CARD = Card(name="transformer", description="character-level Transformer language model on a short story",
             extra_layers=2, page_blocks=6, page_widths=(32, 64, 128), page_batches=(4, 8, 16, 32),
-            page_width=128, page_batch=32, test_width=32, cpu_table=((32, 32), (128, 64)), gpu_table=None)
+            page_width=128, page_batch=32, test_width=32, cpu_table=((32, 32), (128, 64)), gpu_table=None,
+            sequence=32)
 CORPUS = Path(__file__).parent / "data" / "corpus.txt"
-CONTEXT = 32
+CONTEXT = CARD.sequence  # characters per window unless a run asks for another length
 
 
 @lru_cache(maxsize=1)
@@ -72,21 +73,25 @@ class Head(nn.Module):
         return self.out(self.norm(x))
 
 
-def build(blocks: int, width: int, seed: int = 0, dropout: float = 0.1) -> nn.Sequential:
-    """Embedding, `blocks` Transformer blocks (4 heads, or 1 per 16 channels if narrower), head."""
+def build(blocks: int, width: int, seed: int = 0, dropout: float = 0.1, context: int = CONTEXT) -> nn.Sequential:
+    """Embedding (of positions up to `context`), `blocks` Transformer blocks (4 heads, or 1 per 16
+    channels if narrower), head."""
     torch.manual_seed(seed)
     vocab = len(corpus()[1])
     heads = 4 if width % 4 == 0 and width >= 64 else max(1, width // 16)
-    return nn.Sequential(Embedding(vocab, width, CONTEXT), *[Block(width, heads, dropout) for _ in range(blocks)],
+    return nn.Sequential(Embedding(vocab, width, context), *[Block(width, heads, dropout) for _ in range(blocks)],
                          Head(width, vocab))
 
 
-def batch(size: int, width: int = 0, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """`size` random windows of the corpus: inputs, and the next character at every position."""
+def batch(size: int, width: int = 0, seed: int = 0, context: int = CONTEXT) -> tuple[torch.Tensor, torch.Tensor]:
+    """`size` random windows of `context` characters of the corpus: inputs, and the next character
+    at every position."""
     ids, _ = corpus()
+    if not 1 <= context < len(ids) - 1:
+        raise ValueError(f"context={context}: expected 1 to {len(ids) - 2} characters, the corpus's length")
     gen = torch.Generator().manual_seed(seed)
-    starts = torch.randint(0, len(ids) - CONTEXT - 1, (size,), generator=gen)
-    windows = torch.stack([ids[s:s + CONTEXT + 1] for s in starts.tolist()])
+    starts = torch.randint(0, len(ids) - context - 1, (size,), generator=gen)
+    windows = torch.stack([ids[s:s + context + 1] for s in starts.tolist()])
     return windows[:, :-1], windows[:, 1:]
 
 

@@ -16,6 +16,7 @@ from lab.config import RunConfig
 from lab.machine import host
 from lab.machine.gpus import visible_gpus
 from lab.studies import fit, speedup
+from lab.studies.gpu_sizing import gpu_start
 from lab.train import backend_for
 
 LOSS = nn.CrossEntropyLoss()
@@ -155,7 +156,7 @@ def test_the_libraries_workspaces_per_stage_stream_are_not_counted_against_the_b
 def test_speedup_tables_are_sized_for_the_device(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)   # on a GPU host the sizing takes minutes
     cpu, gpu = speedup.table_setting("cpu"), speedup.table_setting("cuda")  # no GPU to size on: the GPU's start
-    assert cpu.width == 128 and cpu.layers == 8 and gpu.width == 1024 and gpu.device == "cuda" and gpu.layers == 26
+    assert cpu.width == 128 and cpu.layers == 8 and gpu == gpu_start() and gpu.device == "cuda" and gpu.context == 128
 
 
 def test_train_picks_nccl_only_when_no_two_ranks_share_a_physical_gpu():

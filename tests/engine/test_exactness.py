@@ -389,3 +389,26 @@ def test_zero_bubble_runs_weight_tasks_and_holds_at_most_k_micro_batches(batch):
             assert sum(e.op == "W" for e in pipe.trace.events) == 2 * 8
     assert peaks["zb-h1"][0] == peaks["1f1b"][0]  # stage 0 holds K=2 micro-batches in both
     assert max(peaks["zb-h1"]) <= max(peaks["1f1b"]) < peaks["gpipe"][0]  # 1F1B's bound, not GPipe's M
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_autocast_runs_every_task_in_bfloat16_and_stays_exact_across_k_and_recompute(batch, schedule):
+    """`autocast=torch.bfloat16`: each micro-batch's gradients are those of the model run on it
+    under torch.autocast on one device, summed, bitwise for every K and recompute setting; and the
+    matrix products really ran in bfloat16 (the plain float32 gradients differ)."""
+    x, y = batch
+    model = mlp()
+    for rows, targets in zip(x.chunk(4), y.chunk(4)):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = LOSS(model(rows), targets) * (rows.shape[0] / x.shape[0])
+        loss.backward()
+    reference = [p.grad for p in model.parameters()]
+    for stages in (1, 2, 3):
+        for checkpoint in ("never", "always"):
+            got, _, _ = pipelined_grads(mlp, x, y, stages, checkpoint=checkpoint, schedule=schedule,
+                                        autocast=torch.bfloat16)
+            assert_bitwise(got, reference)
+    plain, _, _ = pipelined_grads(mlp, x, y, 2)
+    assert not all(torch.equal(a, b) for a, b in zip(plain, reference))
+    with pytest.raises(ValueError, match=r"autocast=torch.int8: expected None, torch.bfloat16 or torch.float16"):
+        GPipe(mlp(), 2, autocast=torch.int8)

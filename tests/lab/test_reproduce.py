@@ -40,8 +40,11 @@ def test_speedup_quick_writes_labelled_tables(tmp_path, capsys, monkeypatch):
 
 
 def test_speedup_with_processes_and_the_transports_comparison(tmp_path):
+    """The table with stage processes, every task under bf16 autocast (as a GPU host may ask), then
+    threads against processes."""
     assert reproduce.main(["speedup", "--quick", "--transport", "processes", "--stages", "1", "2", "--micro-batches",
-                           "4", "--out", str(tmp_path)]) == 0
+                           "4", "--precision", "bf16", "--out", str(tmp_path)]) == 0
+    assert "precision bf16" in (tmp_path / "speedup.md").read_text()
     rows = read_csv(tmp_path / "speedup.csv")
     two = "measured (processes)" if cpu_cores() >= 2 else "ideal replay"   # a 1-core host cannot run 2 stages at once
     assert [r["how"] for r in rows] == ["measured (threads)", two]  # K=1 has no transport

@@ -18,7 +18,7 @@ from lab.zoo.cards import Card, read_card
 ROOT = Path(__file__).resolve().parents[3]
 TOY_CARD = ('CARD = Card(name="toy", description="a throwaway stack of Linear+Tanh blocks", extra_layers=0,\n'
             '            page_blocks=4, page_widths=(8, 16), page_batches=(8, 32), page_width=8, page_batch=32,\n'
-            '            test_width=8, cpu_table=((8, 8), (8, 16)), gpu_table=((8, 8), (8, 16)))\n')
+            '            test_width=8, cpu_table=((8, 8), (8, 16)), gpu_table=((8, 8), (8, 16)), sequence=0)\n')
 TOY = '"""A throwaway model, written as a contributor would add one."""\n' + textwrap.dedent('''\
     import torch
     import torch.nn.functional as F
