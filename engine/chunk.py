@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import threading
 import weakref
-from contextlib import nullcontext
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Optional
@@ -114,7 +113,10 @@ class Chunk:
         """Run one task. `received` is what the upstream chunk sent for it (activation for F on a
         later chunk, gradient for B on an earlier one; already safe to use on this stage), else
         None. Returns the message for a neighbouring chunk, (chunk, key, value), if the task produced
-        one."""
+        one. F and R run under the chunk's autocast alike."""
+        if self.autocast is not None and task.op in "FR":
+            with torch.autocast(self.device.device.type, dtype=self.autocast):
+                return self.TASKS[task.op](self, task.micro, received)
         return self.TASKS[task.op](self, task.micro, received)
 
     def _message(self, kind: str, micro: int, value: Value) -> tuple[int, tuple, Value]:
@@ -248,7 +250,7 @@ class Chunk:
 
         self._capture = None if noted is None else (threading.get_ident(), noted)
         try:
-            with self._casting(), self.partition.running(each_layer) as partition:
+            with self.partition.running(each_layer) as partition:
                 if not counting:
                     return partition(x), None  # through nn.Module.__call__, so hooks on the partition run
                 with self.ledger.saving(watch=noted is not None) as holding:
@@ -256,12 +258,6 @@ class Chunk:
                 return out, holding
         finally:
             self._capture = None
-
-    def _casting(self):
-        """The chunk's torch.autocast, alike in F and R, or nothing."""
-        if self.autocast is None:
-            return nullcontext()
-        return torch.autocast(self.device.device.type, dtype=self.autocast)
 
     def _release(self, holding: Optional[Holding]) -> None:
         if holding is not None:
@@ -271,8 +267,7 @@ class Chunk:
 
     def _loss(self, output: Value, micro: int) -> torch.Tensor:
         target = self.device.to_here(self.call.targets[micro])
-        with self._casting():
-            loss = self.call.loss_fn(output, target)
+        loss = self.call.loss_fn(output, target)
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             raise TypeError(f"loss_fn must return a scalar tensor (mean over the micro-batch), got {loss!r}")
         return loss.reshape(())
