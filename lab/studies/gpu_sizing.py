@@ -318,8 +318,10 @@ def gpu_sizing(quick: bool = False, model: str = "transformer", seed: int = 0,
 def _sized_here(start: RunConfig, quick: bool) -> Sizing:
     import torch
     host.free_gpu_memory()
-    free = [torch.cuda.mem_get_info(index)[0] for index in range(torch.cuda.device_count())]
-    return sized(start, probe_on_gpu, free, quick)
+    free, total = torch.cuda.mem_get_info(0)   # the probes' GPU: a context here opens none on the others
+    used = total - free                        # this context, libraries, other processes: counted on every GPU
+    return sized(start, probe_on_gpu, [torch.cuda.get_device_properties(index).total_memory - used
+                                       for index in range(torch.cuda.device_count())], quick)
 
 
 def kept_sizing(start: RunConfig, quick: bool, size: Callable[[], Sizing]) -> Sizing:
