@@ -167,6 +167,13 @@ class ProcessPool:
         """Kill one stage process at once (SIGKILL), as a crash would: for tests and lessons."""
         self._children.kill(stage)
 
+    def release(self) -> None:
+        """Drop the pipe in every stage process, with what their GPUs' allocators cached, keeping the
+        processes up for the next `build`: for a caller that needs the GPUs' memory meanwhile."""
+        if self.built:
+            self._ask([("release", None)] * self.stages)
+            self.built = False
+
     def close(self) -> None:
         """Stop every stage process; none is left behind, nor any of their files in /dev/shm."""
         self._children.close()

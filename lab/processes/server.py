@@ -4,6 +4,7 @@ step, forward, parameters, ping, and `apply`: a function of its pipe, for what a
 inside a stage)."""
 from __future__ import annotations
 
+import gc
 import os
 import threading
 import time
@@ -46,6 +47,14 @@ class StageServer:
                 self.pipe.close()
                 self.pipe = self.optimizer = None
             self.pipe, self.optimizer = _build(*args, threads=self.threads, device=self.device)
+            return None
+        if what == "release":  # the pipe and what the GPU's allocator cached, for a caller that needs the memory
+            if self.pipe is not None:
+                self.pipe.close()
+                self.pipe = self.optimizer = None
+            gc.collect()
+            if self.device == "cuda":
+                torch.cuda.empty_cache()
             return None
         if what == "step":
             return self._step(*args)

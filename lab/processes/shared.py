@@ -97,10 +97,15 @@ def shutdown_pool() -> None:
 
 
 def free_gpus() -> None:
-    """Stop the shared pool once no run holds it: for a caller that needs its GPUs free (the GPU
-    table, before each cell), without stopping another session's run midway."""
+    """Free what the shared pool holds on its GPUs once no run holds it (its stage processes drop
+    their pipe and stay up for the next run of the same shape): for a caller that needs the GPUs'
+    memory (the GPU table, before each cell), without stopping another session's run midway."""
     with _turn:
-        shutdown_pool()
+        if _pool is not None and _pool.alive:
+            try:
+                _pool.release()
+            except StageProcessError:  # the next run reports it and starts new processes
+                shutdown_pool()
 
 
 atexit.register(shutdown_pool)

@@ -18,7 +18,7 @@ class Pools(Protocol):
         """A pool of `stages` processes for the length of a run (`on_wait()` if it must wait for it)."""
 
     def free_gpus(self) -> None:
-        """Stop what holds the GPUs between runs, for a run that needs them alone."""
+        """Free what holds the GPUs' memory between runs, for a run that needs it alone."""
 
 
 class OwnPools:

@@ -160,23 +160,23 @@ def throughput(record: RunRecord) -> tuple[float, str, float]:
 def measure_table(base: RunConfig, stages: Iterable[int] = (1, 2, 4, 8), micro: Iterable[int] = (1, 4, 32),
                   progress: Optional[Callable[[str], None]] = None, replay_all: bool = False,
                   pools: Pools = SHARED) -> Iterator[Cell]:
-    """Yield the cells of the grid as they are measured (K=1 first at each M, since the others are
-    normalized to it). K larger than the model's layers, or M larger than the batch, is left out.
+    """Yield the cells of the grid as they are measured: K=1 at every M first, since the others are
+    normalized to it, then each K at every M, so that one start of K stage processes serves all of
+    K's cells. K larger than the model's layers, or M larger than the batch, is left out.
     With `base.transport="processes"` the cells the host can measure run one process per stage;
     K=1 (one stage, nothing crosses) and the replayed cells run their steps as threads. With
     `replay_all`, every cell also gets its ideal replay's speedup, whatever the host. On GPUs every
     cell is also run one task at a time, for its GPU-over-host ratio (`Cell.gpu_ratio`), and a cell
     measured with processes is measured with threads too (`Cell.threads_vs_same_m`). The cells'
-    stage processes come from `pools`: by default the shared pool, kept up from cell to cell."""
+    stage processes come from `pools`: by default the shared pool, kept up from cell to cell (on GPUs
+    it drops its pipe before each cell: the GPUs hold one model at a time)."""
     stages, micro = list(stages), list(micro)
     sized_here = base.device == "cuda" and zoo.card(base.model).gpu_table is None  # the sized Transformer
     single: dict[tuple[int, str], float] = {}  # (M, how) -> K=1 samples/s
     pair: dict[str, float] = {}                # how -> K=2 samples/s at the first M (measured and replayed)
-    for m in micro:
-        if m > base.batch:
-            continue
-        for k in sorted(set([1] + stages)):
-            if k > base.layers:
+    for k in sorted(set([1] + stages)):
+        for m in micro:
+            if k > base.layers or m > base.batch:
                 continue
             if base.device == "cuda":  # every run finds the GPUs as free as the sizing found them
                 pools.free_gpus()

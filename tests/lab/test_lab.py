@@ -365,21 +365,31 @@ def test_the_first_drawing_is_an_svg_gantt_of_the_same_timeline():
     assert all(f"stage {k}</text>" in svg for k in range(3)) and f"bubble {line.bubble:.0%}" in svg
 
 
-def test_the_gpu_table_frees_the_gpus_only_between_other_sessions_runs(monkeypatch):
-    """Before each GPU cell the table stops the shared pool, but never under a run another session
-    holds: it waits for that run's turn to end."""
+def test_the_gpu_table_frees_the_gpus_only_between_other_sessions_runs():
+    """Before each GPU cell the table has the shared pool drop its pipe, never under a run another
+    session holds (it waits for that run's turn to end); the stage processes stay up, so the next
+    cell of the same K builds on them instead of starting new ones."""
     from lab.processes import shared as processes
-    stopped = []
-    monkeypatch.setattr(processes, "shutdown_pool", lambda: stopped.append(processes.busy()))
-    processes._turn.acquire()   # another session's run holds the pool
-    freeing = threading.Thread(target=processes.free_gpus)
-    freeing.start()
-    freeing.join(0.3)
-    assert freeing.is_alive() and stopped == [], "it waits for the run to end"
-    processes._turn.release()
-    freeing.join(5)
-    assert stopped == [True], "then stops the pool, holding the turn itself"
-    assert not processes.busy()
+    x, y = torch.randn(8, 16), torch.randn(8, 16)
+    try:
+        with processes.pool_for(2) as pool:
+            pool.build(zoo.build, dict(name="mlp", blocks=2, width=16), chunks=2)
+            pool.step(x, y, torch.nn.functional.mse_loss)
+        processes._turn.acquire()   # another session's run holds the pool
+        freeing = threading.Thread(target=processes.free_gpus)
+        freeing.start()
+        freeing.join(0.3)
+        assert freeing.is_alive() and pool.built, "it waits for the run to end"
+        processes._turn.release()
+        freeing.join(30)
+        assert not freeing.is_alive() and not pool.built and pool.alive, "then drops the pipe, keeping the processes"
+        assert not processes.busy()
+        with processes.pool_for(2) as again:
+            assert again is pool
+            again.build(zoo.build, dict(name="mlp", blocks=2, width=16), chunks=2)
+            assert torch.isfinite(again.step(x, y, torch.nn.functional.mse_loss))
+    finally:
+        processes.shutdown_pool()
 
 
 @pytest.mark.parametrize("model", sorted(zoo.CARDS))
