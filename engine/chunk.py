@@ -115,7 +115,7 @@ class Chunk:
         None. Returns the message for a neighbouring chunk, (chunk, key, value), if the task produced
         one. F and R run under the chunk's autocast alike."""
         if self.autocast is not None and task.op in "FR":
-            with torch.autocast(self.device.device.type, dtype=self.autocast):
+            with torch.autocast(self.device.device.type, dtype=self.autocast, cache_enabled=False):
                 return self.TASKS[task.op](self, task.micro, received)
         return self.TASKS[task.op](self, task.micro, received)
 

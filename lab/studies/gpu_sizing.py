@@ -39,6 +39,7 @@ CONTEXTS = (128, 256, 512, 1024)   # tokens per sequence: the paper's Transforme
 BATCHES = (32, 64, 128, 256, 512)  # at least 32, so that M=32 has a sequence per micro-batch
 DEPTHS, DEPTHS_QUICK = (24, 16), (16,)  # blocks: 3 or 2 per stage at K=8
 PROBE_TOKENS = 4096
+PROCESS_BYTES = 2 ** 30  # a stage process's CUDA context and libraries' workspaces on its GPU, about
 CHECKS = 3            # candidates checked at most: past that, the best measured
 SIZING_FILE = "GPIPE_LAB_SIZING_FILE"  # environment variable: where a sizing is kept for later processes
 
@@ -126,13 +127,14 @@ def ratios(shape: Shape, rates: Rates, stages: int = 8, micro: int = 32) -> list
             for n in shape.stage_blocks(stages)]
 
 
-def peak_bytes(shape: Shape, rates: Rates, gpus: int, bf16: bool = False,
+def peak_bytes(shape: Shape, rates: Rates, gpus: int, bf16: bool = False, per_process: float = 0.0,
                grid: tuple[Sequence[int], Sequence[int]] = (TABLE_STAGES, TABLE_MICRO)) -> dict[tuple[int, int], float]:
     """(K, M) -> the bytes the busiest GPU holds at that cell, stage s on GPU s % `gpus`: per stage its
     weights and gradients (float32; with bf16 autocast, its weights' bfloat16 copies too) and the
     inputs GPipe keeps for all M micro-batches until their backward (ids on the first stage, float32
     activations after); and one micro-batch's recomputed blocks (and the rest of its peak) for as many
-    of the GPU's stages as can hold one at once: at most M, one micro-batch each."""
+    of the GPU's stages as can hold one at once: at most M, one micro-batch each; `per_process` for
+    each stage process on the GPU (its CUDA context and libraries) where the stages are processes."""
     per_parameter = 8 + (2 if bf16 else 0)
     cells = {}
     for stages in grid[0]:
@@ -144,7 +146,7 @@ def peak_bytes(shape: Shape, rates: Rates, gpus: int, bf16: bool = False,
                 parameters = blocks * shape.block_parameters + shape.extra_parameters[0] * (stage == 0) \
                     + shape.extra_parameters[1] * (stage == stages - 1)
                 kept = shape.batch * shape.context * (8 if stage == 0 else 4 * shape.width)
-                held[stage % gpus] += per_parameter * parameters + kept
+                held[stage % gpus] += per_parameter * parameters + kept + (per_process if 1 < stages <= gpus else 0.0)
                 graphs[stage % gpus].append(tokens * (blocks * rates.block_per_token + rates.stage_per_token))
             cells[(stages, micro)] = max(h + sum(sorted(g)[-micro:]) for h, g in zip(held, graphs))
     return cells
@@ -218,7 +220,8 @@ def sized(start: RunConfig, probe: Callable[[RunConfig], Probe], free_bytes: Seq
         key = (shape.width, shape.context)
         if key not in rates:
             rates[key] = rates_from(*(probe(_probe_config(config, n, PROBE_TOKENS)) for n in (1, 2)))
-        cells = peak_bytes(shape, rates[key], len(free_bytes), start.precision == "bf16")
+        cells = peak_bytes(shape, rates[key], len(free_bytes), start.precision == "bf16",
+                           PROCESS_BYTES if start.transport == "processes" else 0.0)
         if max(cells.values()) > budget:
             refused["fit"] += 1
             continue
@@ -265,26 +268,30 @@ def _probe_config(config: RunConfig, blocks: int, tokens: int) -> RunConfig:
 
 def probe_on_gpu(config: RunConfig) -> Probe:
     """`Probe` of one configuration of one stage, built on its device (a wide block takes seconds to
-    initialise on the host): after a warm-up, the allocator's (on a CPU, the ledger's) peak of one
-    step, then the gated task times of five (lab.runs.experiments.solo_events)."""
+    initialise on the host): after a warm-up, the allocator's peak of one step above what it held
+    before, less the gradients and autocast's weight copies (on a CPU, the ledger's peak), then the
+    gated task times of five (lab.runs.experiments.solo_events) after a gated warm-up."""
     import torch
 
     from lab.runs.experiments import build, devices_for, pipeline, solo_events
-    model, (inputs, targets), loss_fn = build(config, on=devices_for(config)[0])
+    device = devices_for(config)[0]
+    model, (inputs, targets), loss_fn = build(config, on=device)
     pipe = pipeline(config, model, [config.layers], record_memory=True)
     try:
-        pipe.step(inputs, targets, loss_fn)
-        if config.device == "cuda":
-            torch.cuda.reset_peak_memory_stats()
+        pipe.step(inputs, targets, loss_fn)        # libraries' workspaces and the allocator's pools made
+        pipe.zero_grad(set_to_none=True)           # as the table's steps start: no gradients yet
+        held = torch.cuda.memory_allocated(device) if config.device == "cuda" else 0
         pipe.step(inputs, targets, loss_fn)
         memory = pipe.trace.memory[0]
-        peak = (memory.device_peak_bytes - memory.param_bytes - memory.grad_bytes
+        copies = memory.param_bytes // 2 if config.precision == "bf16" else 0   # autocast's bfloat16 weights
+        peak = (memory.device_peak_bytes - held - memory.grad_bytes - copies
                 if memory.device_peak_bytes is not None else memory.activation_peak_bytes)
         pipe.record_memory = False
+        pipe.step(inputs, targets, loss_fn, serial="gated")   # the gate learns the host's time per task
         events = solo_events(pipe, inputs, targets, loss_fn, serial="gated")
     finally:
         pipe.close()
-        del model
+        del pipe, model
         host.free_gpu_memory()
     gpu = sum(e["end"] - e["start"] for e in events)
     return Probe(gpu, sum(e.get("host", 0.0) or (e["end"] - e["start"]) for e in events), float(peak),
@@ -319,9 +326,18 @@ def _sized_here(start: RunConfig, quick: bool) -> Sizing:
     import torch
     host.free_gpu_memory()
     free, total = torch.cuda.mem_get_info(0)   # the probes' GPU: a context here opens none on the others
-    used = total - free                        # this context, libraries, other processes: counted on every GPU
-    return sized(start, probe_on_gpu, [torch.cuda.get_device_properties(index).total_memory - used
+    return sized(start, probe_on_gpu, [torch.cuda.get_device_properties(index).total_memory - _used(index, total - free)
                                        for index in range(torch.cuda.device_count())], quick)
+
+
+def _used(index: int, here: int) -> int:
+    """What GPU `index` has in use, read through NVML where torch can (no context opened), else what
+    GPU 0 has (this process's context and libraries), assumed alike on every GPU."""
+    import torch
+    try:
+        return max(torch.cuda.device_memory_used(index), here if index == 0 else 0)
+    except Exception:  # no NVML binding installed, or an older torch
+        return here
 
 
 def kept_sizing(start: RunConfig, quick: bool, size: Callable[[], Sizing]) -> Sizing:

@@ -153,3 +153,14 @@ def test_a_stages_tflops_are_its_blocks_flops_over_its_tasks_seconds():
     events = [dict(stage=0, start=0.0, end=0.5), dict(stage=0, start=1.0, end=1.5), dict(stage=1, start=0.0, end=2.0)]
     work = 4 * 8 * shape.forward_flops_per_token() * config.batch * config.context
     assert gpu_sizing.stage_tflops(config, events) == pytest.approx((work / 1e12, work / 2e12))
+
+
+def test_each_stage_process_adds_its_context_to_its_gpu_where_the_cell_runs_processes():
+    """Stage processes run the cells whose K the GPUs can hold, one per GPU, each with a CUDA context
+    of its own; K=1 and the replayed cells (more stages than GPUs) run as threads of this process."""
+    shape = shape_of(1024, 128, 32, 16)
+    rates = gpu_sizing.Rates(1e-7, 1e-4, 1e-3, 1e4, 1e3)
+    plain = gpu_sizing.peak_bytes(shape, rates, 4)
+    with_contexts = gpu_sizing.peak_bytes(shape, rates, 4, per_process=GIB)
+    assert {cell: with_contexts[cell] - plain[cell] for cell in plain} == {
+        (k, m): (GIB if k in (2, 4) else 0) for k in (1, 2, 4, 8) for m in (1, 4, 32)}
