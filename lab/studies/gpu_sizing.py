@@ -133,20 +133,21 @@ def peak_bytes(shape: Shape, rates: Rates, gpus: int, bf16: bool = False, per_pr
     weights and gradients (float32; with bf16 autocast, its weights' bfloat16 copies too) and the
     inputs GPipe keeps for all M micro-batches until their backward (ids on the first stage, float32
     activations after); and one micro-batch's recomputed blocks (and the rest of its peak) for as many
-    of the GPU's stages as can hold one at once: at most M, one micro-batch each; `per_process` for
-    each stage process on the GPU (its CUDA context and libraries) where the stages are processes."""
+    of the GPU's stages as can hold one at once: at most M, one micro-batch each; and `per_process`
+    on every GPU, the CUDA context of a stage process of the shared pool, up from cell to cell."""
     per_parameter = 8 + (2 if bf16 else 0)
     cells = {}
     for stages in grid[0]:
         if stages > shape.blocks:
             continue
         for micro in grid[1]:
-            tokens, held, graphs = shape.tokens(micro), [0.0] * min(gpus, stages), [[] for _ in range(gpus)]
+            tokens, graphs = shape.tokens(micro), [[] for _ in range(gpus)]
+            held = [per_process] * min(gpus, stages)   # the shared pool's processes stay up from cell to cell
             for stage, blocks in enumerate(shape.stage_blocks(stages)):
                 parameters = blocks * shape.block_parameters + shape.extra_parameters[0] * (stage == 0) \
                     + shape.extra_parameters[1] * (stage == stages - 1)
                 kept = shape.batch * shape.context * (8 if stage == 0 else 4 * shape.width)
-                held[stage % gpus] += per_parameter * parameters + kept + (per_process if 1 < stages <= gpus else 0.0)
+                held[stage % gpus] += per_parameter * parameters + kept
                 graphs[stage % gpus].append(tokens * (blocks * rates.block_per_token + rates.stage_per_token))
             cells[(stages, micro)] = max(h + sum(sorted(g)[-micro:]) for h, g in zip(held, graphs))
     return cells
@@ -193,8 +194,10 @@ def precision_said(precision: str) -> str:
     import torch
     if precision == "bf16":
         return "precision: bfloat16 autocast around every task, recompute included (float32 weights)"
-    tf32 = torch.backends.cuda.matmul.allow_tf32
-    return f"precision: float32, TF32 matrix products {'on' if tf32 else 'off'} (torch.backends.cuda.matmul.allow_tf32)"
+    matmul = torch.backends.cuda.matmul
+    chosen = getattr(matmul, "fp32_precision", "none")   # the newer setting, read first: once it is set,
+    tf32 = chosen == "tf32" if chosen != "none" else matmul.allow_tf32   # reading the older flag raises
+    return f"precision: float32, TF32 matrix products {'on' if tf32 else 'off'} (torch.backends.cuda.matmul)"
 
 
 def sized(start: RunConfig, probe: Callable[[RunConfig], Probe], free_bytes: Sequence[int],
@@ -214,7 +217,7 @@ def sized(start: RunConfig, probe: Callable[[RunConfig], Probe], free_bytes: Seq
         if 8 * shape.blocks * shape.block_parameters > budget:   # the weights and gradients at K=1 alone
             refused["fit"] += 1
             continue
-        if host_bytes_to_build(config, min(8, shape.layers)) > HOST_SHARE * host_bytes():
+        if host_bytes_to_build(config, min(8, len(free_bytes))) > HOST_SHARE * host_bytes():  # processes: K <= GPUs
             refused["build"] += 1
             continue
         key = (shape.width, shape.context)
@@ -269,7 +272,7 @@ def _probe_config(config: RunConfig, blocks: int, tokens: int) -> RunConfig:
 def probe_on_gpu(config: RunConfig) -> Probe:
     """`Probe` of one configuration of one stage, built on its device (a wide block takes seconds to
     initialise on the host): after a warm-up, the allocator's peak of one step above what it held
-    before, less the gradients and autocast's weight copies (on a CPU, the ledger's peak), then the
+    before, less autocast's weight copies (on a CPU, the ledger's peak), then the
     gated task times of five (lab.runs.experiments.solo_events) after a gated warm-up."""
     import torch
 
@@ -284,7 +287,7 @@ def probe_on_gpu(config: RunConfig) -> Probe:
         pipe.step(inputs, targets, loss_fn)
         memory = pipe.trace.memory[0]
         copies = memory.param_bytes // 2 if config.precision == "bf16" else 0   # autocast's bfloat16 weights
-        peak = (memory.device_peak_bytes - held - memory.grad_bytes - copies
+        peak = (memory.device_peak_bytes - held - copies   # gradients left in: at R's end some exist, at B's all
                 if memory.device_peak_bytes is not None else memory.activation_peak_bytes)
         pipe.record_memory = False
         pipe.step(inputs, targets, loss_fn, serial="gated")   # the gate learns the host's time per task

@@ -155,12 +155,27 @@ def test_a_stages_tflops_are_its_blocks_flops_over_its_tasks_seconds():
     assert gpu_sizing.stage_tflops(config, events) == pytest.approx((work / 1e12, work / 2e12))
 
 
-def test_each_stage_process_adds_its_context_to_its_gpu_where_the_cell_runs_processes():
+def test_each_stage_process_adds_its_context_to_its_gpu_in_every_cell():
     """Stage processes run the cells whose K the GPUs can hold, one per GPU, each with a CUDA context
-    of its own; K=1 and the replayed cells (more stages than GPUs) run as threads of this process."""
+    of its own, and the shared pool keeps them up while the other cells run as threads."""
     shape = shape_of(1024, 128, 32, 16)
     rates = gpu_sizing.Rates(1e-7, 1e-4, 1e-3, 1e4, 1e3)
     plain = gpu_sizing.peak_bytes(shape, rates, 4)
     with_contexts = gpu_sizing.peak_bytes(shape, rates, 4, per_process=GIB)
     assert {cell: with_contexts[cell] - plain[cell] for cell in plain} == {
-        (k, m): (GIB if k in (2, 4) else 0) for k in (1, 2, 4, 8) for m in (1, 4, 32)}
+        (k, m): GIB for k in (1, 2, 4, 8) for m in (1, 4, 32)}
+
+
+def test_the_header_says_whether_float32_matrix_products_use_tf32_by_either_setting():
+    import torch
+    matmul = torch.backends.cuda.matmul
+    before = matmul.fp32_precision
+    try:
+        assert "TF32 matrix products off" in gpu_sizing.precision_said("float32")
+        matmul.fp32_precision = "tf32"
+        assert "TF32 matrix products on" in gpu_sizing.precision_said("float32")
+        matmul.fp32_precision = "ieee"
+        assert "TF32 matrix products off" in gpu_sizing.precision_said("float32")
+        assert "bfloat16 autocast" in gpu_sizing.precision_said("bf16")
+    finally:
+        matmul.fp32_precision = before
