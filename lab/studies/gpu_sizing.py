@@ -83,10 +83,6 @@ class Shape:
     block_parameters: int
     extra_parameters: tuple[int, int]   # the embedding's and the head's
 
-    @property
-    def layers(self) -> int:
-        return self.blocks + 2
-
     def tokens(self, micro: int) -> int:
         """Tokens per micro-batch at M=`micro` (torch.chunk's pieces: the largest)."""
         return -(-self.batch // micro) * self.context
@@ -296,9 +292,8 @@ def probe_on_gpu(config: RunConfig) -> Probe:
         pipe.close()
         del pipe, model
         host.free_gpu_memory()
-    gpu = sum(e["end"] - e["start"] for e in events)
-    return Probe(gpu, sum(e.get("host", 0.0) or (e["end"] - e["start"]) for e in events), float(peak),
-                 config.batch * config.context)
+    (gpu,), (issued,) = stage_seconds(events, 1)
+    return Probe(gpu, issued, float(peak), config.batch * config.context)
 
 
 def gpu_start(quick: bool = False, model: str = "transformer", seed: int = 0, transport: str = "threads",
@@ -368,9 +363,17 @@ def stage_tflops(config: RunConfig, events: list[dict]) -> tuple[float, ...]:
     """Per stage of a GPU table's step, the TFLOP/s its tasks reached: its blocks' F, R and B FLOPs
     over the batch (4 forwards) over the seconds of its tasks in `events` (timed one at a time)."""
     shape = shape_of(config.width, config.context, config.batch, config.blocks, config.model)
-    busy = [0.0] * config.stages
-    for e in events:
-        busy[e["stage"]] += e["end"] - e["start"]
+    busy, _ = stage_seconds(events, config.stages)
     work = [4 * n * shape.forward_flops_per_token() * config.batch * config.context
             for n in shape.stage_blocks(config.stages)]
     return tuple(w / b / 1e12 if b > 0 else math.nan for w, b in zip(work, busy))
+
+
+def stage_seconds(events: list[dict], stages: int) -> tuple[list[float], list[float]]:
+    """Per stage, the seconds its tasks took on their device (GPU events on a GPU) and the seconds the
+    host spent issuing them (Event.host; a task's own time where none was recorded, as on a CPU)."""
+    device, issued = [0.0] * stages, [0.0] * stages
+    for e in events:
+        device[e["stage"]] += e["end"] - e["start"]
+        issued[e["stage"]] += e.get("host", 0.0) or (e["end"] - e["start"])
+    return device, issued

@@ -25,7 +25,7 @@ from lab.config import MEASURE_WARMUP, RunConfig
 from lab.machine import host
 from lab.processes.sources import OWN, SHARED, Pools
 from lab.runs.experiments import RunRecord, build, parallel_devices, run
-from lab.studies.gpu_sizing import gpu_sizing, gpu_start, stage_tflops
+from lab.studies.gpu_sizing import gpu_sizing, gpu_start, stage_seconds, stage_tflops
 from lab.timelines import replay
 
 # The recompute setting of every speedup table: each micro-batch re-materialized (GPipe as the
@@ -81,10 +81,7 @@ def stage_ratios(events: list[dict], stages: int) -> list[float]:
     timed from an idle stream without the gate (a record's solo events), the GPU never takes less
     than the host, and the ratio reads 1.0 however launch-bound. 1.0 for a stage on a CPU, where the
     host thread is the device."""
-    gpu, issued = [0.0] * stages, [0.0] * stages
-    for e in events:
-        gpu[e["stage"]] += e["end"] - e["start"]
-        issued[e["stage"]] += e.get("host", 0.0) or (e["end"] - e["start"])
+    gpu, issued = stage_seconds(events, stages)
     return [g / h if h > 0 else 1.0 for g, h in zip(gpu, issued)]
 
 
