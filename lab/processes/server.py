@@ -43,15 +43,11 @@ class StageServer:
         if what == "ready":
             return None
         if what == "build":
-            if self.pipe is not None:
-                self.pipe.close()
-                self.pipe = self.optimizer = None
+            self._drop_pipe()
             self.pipe, self.optimizer = _build(*args, threads=self.threads, device=self.device)
             return None
         if what == "release":  # the pipe and what the GPU's allocator cached, for a caller that needs the memory
-            if self.pipe is not None:
-                self.pipe.close()
-                self.pipe = self.optimizer = None
+            self._drop_pipe()
             gc.collect()
             if self.device == "cuda":
                 torch.cuda.empty_cache()
@@ -104,11 +100,16 @@ class StageServer:
                 transport.send_control(peer, "grad", value, micro=number)
         return (time.perf_counter() - start) / count / 2
 
+    def _drop_pipe(self) -> None:
+        """Close this stage's pipe (its transport's threads and groups) and let it go, with its optimizer."""
+        if self.pipe is not None:
+            self.pipe.close()
+            self.pipe = self.optimizer = None
+
     def close(self) -> None:
         import torch.distributed as dist
 
-        if self.pipe is not None:
-            self.pipe.close()
+        self._drop_pipe()
         dist.destroy_process_group()
 
 
