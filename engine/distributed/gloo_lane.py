@@ -10,7 +10,8 @@ user's and an idle pipe never times out.
 
 NCCL receives go on a stream per edge, so they wait for nothing the stage queued. A failed call
 aborts the edges' NCCL groups (a send to a neighbour that stopped reading would never match, and a
-stream waiting on it would never be free); a later call then raises StageFailed.
+stream waiting on it would never be free); a later call then raises StageFailed. Making the lane
+(groups, NCCL's communicators) and every transfer have bounds (works.py).
 """
 from __future__ import annotations
 
@@ -29,14 +30,13 @@ import torch.distributed as dist
 from ..transport import StageFailed
 from . import wire
 from .wire import Arrival, Lost
-from .works import until_completed
+from .works import Stalled, finished_within, gloo_timeout, in_seconds, setup_bound, transfer_bound, until_completed
 
 HEADER_TAG, DATA_TAG, CLOCK_TAG = 1, 2, 3
 PREPOSTED = 8                                  # receives kept posted per neighbour
 REAP_AFTER = 16                                # sends in flight before the sender thread releases some
-NEVER = datetime.timedelta(days=365)           # the lane's own groups never time out while idle
+NEVER = datetime.timedelta(days=365)           # a listener's wait for the next header: an idle pipe never times out
 CLOCK_ROUNDS = 8
-CONNECT_SECONDS = 600.0                         # every NCCL edge's first element, at most
 
 
 class _Link:
@@ -61,7 +61,7 @@ class GlooLane:
                  nccl: bool, placement: tuple = (), check=lambda: None):
         self.rank, self.device = rank, device
         self.name = "gloo+nccl" if nccl else "gloo"  # headers always on gloo; payloads between GPUs on NCCL
-        self.wire = own_group(pipelines, members, backend="gloo", timeout=NEVER)
+        self.wire = wire_group(pipelines, members, rank)
         # a two-rank NCCL group per edge carries traffic one way only: NCCL may hold a send until its
         # receive is posted, so two ranks could otherwise both wait on sends posted first
         self.tensor_groups = edge_groups(pipelines, members, len(members), placement) if nccl else {}
@@ -80,7 +80,7 @@ class GlooLane:
         for thread in self._threads:
             thread.start()
         try:  # with the listeners up: a neighbour that dies now is seen on its gloo connection
-            connect(self.tensor_groups, rank, device, lambda: (check(), self._raise_if_lost()))
+            connect(self.tensor_groups, rank, device, lambda: (check(), self._raise_if_lost()), self._raise_if_lost)
         except BaseException:
             self._abandoned = True  # connect aborted the NCCL groups
             self.close(-1, timeout=1.0)
@@ -185,12 +185,16 @@ class GlooLane:
         """Tensors that follow their frame over gloo, received into tensors of the announced shapes
         (copied to the stage's GPU, with the event to wait for, where it has one)."""
         tensors = wire.empty_tensors(header, torch.device("cpu"))
-        try:
+        bound, since = transfer_bound(header.payload_bytes), time.monotonic()
+        try:  # the sender posts its payload with its header: it is on its way, or the sender is gone
             for t in tensors:
                 if t is not None:
-                    self.wire.recv([t], peer, DATA_TAG).wait()
+                    self.wire.recv([t], peer, DATA_TAG).wait(gloo_timeout(bound))
         except Exception as error:
-            raise Lost(peer, error) from None
+            late = time.monotonic() - since >= bound
+            raise Lost(peer, Stalled(f"waited {in_seconds(bound)} for the payload of its {header.kind!r} message "
+                                     f"{header.micro} from stage {peer} ({header.payload_bytes} bytes over gloo), "
+                                     "its bound") if late else error) from None
         if home.type == "cuda":
             tensors, ready = to_gpu(tensors, home)
             return wire.marked(tensors, header), ready
@@ -203,16 +207,17 @@ class GlooLane:
         if self.rank == 0:
             for peer in remote:
                 for _ in range(CLOCK_ROUNDS):
-                    self.wire.recv([stamp], peer, CLOCK_TAG).wait()
-                    self.wire.send([torch.tensor([time.perf_counter()], dtype=torch.float64)], peer, CLOCK_TAG).wait()
+                    self.wire.recv([stamp], peer, CLOCK_TAG).wait(gloo_timeout(setup_bound()))
+                    self.wire.send([torch.tensor([time.perf_counter()], dtype=torch.float64)], peer,
+                                   CLOCK_TAG).wait(gloo_timeout(setup_bound()))
             return 0.0
         if self.rank not in remote:
             return 0.0
         best, offset = float("inf"), 0.0
         for _ in range(CLOCK_ROUNDS):
             sent = time.perf_counter()
-            self.wire.send([torch.tensor([sent], dtype=torch.float64)], 0, CLOCK_TAG).wait()
-            self.wire.recv([stamp], 0, CLOCK_TAG).wait()
+            self.wire.send([torch.tensor([sent], dtype=torch.float64)], 0, CLOCK_TAG).wait(gloo_timeout(setup_bound()))
+            self.wire.recv([stamp], 0, CLOCK_TAG).wait(gloo_timeout(setup_bound()))
             back = time.perf_counter()
             if back - sent < best:
                 best, offset = back - sent, (sent + back) / 2 - stamp.item()
@@ -226,7 +231,7 @@ class GlooLane:
         for slot in itertools.cycle(range(PREPOSTED)):
             link.posted.acquire()
             try:
-                link.works[slot].wait()
+                link.works[slot].wait(NEVER)  # an idle pipe waits here: the lane's close or a lost peer ends it
             except Exception as error:
                 self._fail(link.peer, error)
                 return
@@ -268,13 +273,14 @@ class GlooLane:
                 self._reap.wait_for(lambda: self._wakes > seen)
                 seen = self._wakes
             while self._in_flight:
-                gloo, nccl, _buffers, destination = self._in_flight[0]
+                gloo, nccl, buffers, destination = self._in_flight[0]
+                bound = transfer_bound(_bytes_of(buffers))
                 try:
                     for work in gloo:  # returns once gloo has sent the buffer (is_completed() would never say so)
-                        work.wait()
+                        work.wait(gloo_timeout(bound))
                     # NCCL's wait() returns at once, before the send is done; after a failure its
                     # sends may never complete: the groups are aborted and the buffers let go
-                    until_completed(nccl, self._raise_if_abandoned, every=0.01, pause_cap=1e-3)
+                    until_completed(nccl, self._sent_within(bound, destination), every=0.01, pause_cap=1e-3)
                     for work in nccl:
                         work.wait()
                 except _Abandoned:
@@ -284,9 +290,21 @@ class GlooLane:
                     self._fail(destination, error)
                     return
                 self._in_flight.popleft()
-                del gloo, nccl, _buffers
+                del gloo, nccl, buffers
             if self._closed:
                 return
+
+    def _sent_within(self, bound: float, destination: int):
+        """The sender thread's check while NCCL sends to `destination`: stop if the lane gave up its
+        transfers, Stalled once `bound` seconds passed (the receiver never posted its side)."""
+        deadline = time.monotonic() + bound
+
+        def check() -> None:
+            self._raise_if_abandoned()
+            if time.monotonic() > deadline:
+                raise Stalled(f"waited {in_seconds(bound)} for an NCCL send to stage {destination} to complete, "
+                              "its bound")
+        return check
 
     def close(self, step: int, timeout: float = 5.0) -> None:
         """Stop this rank's threads and destroy the lane's groups. Goodbyes answer the receives each
@@ -296,7 +314,8 @@ class GlooLane:
         for link in self._links:
             try:
                 for _ in range(PREPOSTED):
-                    self._in_flight.append(([self.wire.send([frame], link.peer, HEADER_TAG)], [], frame, link.peer))
+                    goodbye = self.wire.send([frame], link.peer, HEADER_TAG)
+                    self._in_flight.append(([goodbye], [], (frame, []), link.peer))
             except Exception:
                 pass  # that neighbour is gone: nothing waits on the connection any more
         while True:  # frames still unread: give their slots back to the listeners
@@ -350,6 +369,20 @@ def _abort(group) -> None:
             pass
 
 
+def wire_group(pipelines: list, members: list[int], rank: int):
+    """This pipeline's gloo group (`own_group`), made with the set-up bound as its timeout: making it
+    waits in the Store for every rank, holding this process's connection to the Store, so only the
+    group's own timeout can end that wait. Every wait on its works passes a timeout of its own."""
+    bound, since = setup_bound(), time.monotonic()
+    try:
+        return own_group(pipelines, members, backend="gloo", timeout=gloo_timeout(bound))
+    except Exception as error:
+        if time.monotonic() - since < bound:
+            raise
+        raise StageFailed(f"rank {rank}: making the gloo lane's groups did not finish within {bound:g} s; has a rank "
+                          f"died or stopped? ({str(error).splitlines()[0][:200]})") from None
+
+
 def own_group(pipelines: list, members: list[int], **options):
     """This pipeline's group; every rank makes every pipeline's, in one order, as torch.distributed requires."""
     mine = None
@@ -365,28 +398,34 @@ def lands_on(kind: str, device: torch.device) -> torch.device:
     return device if kind in ("act", "grad") else torch.device("cpu")
 
 
-def connect(edges: dict, rank: int, device: torch.device, check=lambda: None,
-            within: float = CONNECT_SECONDS) -> None:
+def connect(edges: dict, rank: int, device: torch.device, check=lambda: None, lost=lambda: None,
+            within: Optional[float] = None) -> None:
     """Connect every NCCL edge now, one element each, in one order for all ranks: NCCL connects on first
-    use, and a peer that died then would block a stage where no abort reaches it. The host polls the
-    probes, calling `check` meanwhile (a device-wide synchronize would wait forever for a peer that
-    died while the pipe was built); probes not done within `within` seconds, or a failed one, raise
-    StageFailed naming the edges. However it ends early, the edges' groups are aborted first."""
+    use, and a peer that died then would block a stage where no abort reaches it. The probes are
+    posted on a thread given up on (a group's first use makes its communicator, blocking, and may
+    hold this process's connection to the Store meanwhile: only `lost`, which reads no Store, is
+    called then), and the host polls them, calling `check` meanwhile (a device-wide synchronize would
+    wait forever for a peer that died while the pipe was built); probes not done within `within`
+    seconds (the set-up bound), or a failed one, raise StageFailed naming the edges. However it
+    ends early, the edges' groups are aborted first."""
     if not edges:  # no NCCL on this lane
         return
+    within = setup_bound() if within is None else within
     try:
-        _connect(edges, rank, device, check, within)
+        _connect(edges, rank, device, check, lost, within)
     except BaseException:  # whatever ended it (a failed probe, a peer's failure, the Store, NCCL, Ctrl-C)
         abort_groups([group for group, _ in edges.values()])
         raise
 
 
-def _connect(edges: dict, rank: int, device: torch.device, check, within: float) -> None:
-    deadline, probes = time.monotonic() + within, []
-    with torch.cuda.device(device):
-        for edge, (group, peer) in sorted(edges.items()):
-            probe = torch.zeros(1, device=device)
-            probes.append((edge, (group.send if edge[1] == rank else group.recv)([probe], peer, 0)))
+def _connect(edges: dict, rank: int, device: torch.device, check, lost, within: float) -> None:
+    deadline = time.monotonic() + within
+
+    def post() -> list:
+        with torch.cuda.device(device):
+            return [(edge, (group.send if edge[1] == rank else group.recv)([torch.zeros(1, device=device)], peer, 0))
+                    for edge, (group, peer) in sorted(edges.items())]
+    probes = finished_within(within, f"rank {rank}: making the NCCL edges' communicators {sorted(edges)}", post, lost)
 
     def give_up(why: str) -> StageFailed:
         return StageFailed(f"rank {rank}: NCCL edge(s) {why} while the pipe was built; "
@@ -427,6 +466,12 @@ def edge_groups(pipelines: list, members: list[int], size: int, placement: tuple
                 peer = pair[1] if pair[0] == me else pair[0]
                 mine[(kind, a, b)] = (group, sorted(pair).index(peer))
     return mine
+
+
+def _bytes_of(buffers) -> int:
+    """The bytes a send in flight holds: its frame and its payload's tensors."""
+    frame, tensors = buffers
+    return frame.numel() + sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
 
 def as_bytes(tensor: torch.Tensor) -> torch.Tensor:

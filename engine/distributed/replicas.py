@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from ..transport import StageFailed
-from .works import until_completed
+from .works import Stalled, in_seconds, keys_within, setup_bound, transfer_bound, until_completed
 
 BUCKET_BYTES = 25 * 2 ** 20   # as DistributedDataParallel: large enough to amortize a call, small enough to overlap
 
@@ -64,6 +64,8 @@ class Replicas:
         self.broken = False   # a call failed: sums in flight with the other replicas will never match
         members = dist.get_process_group_ranks(group)
         store.set(f"stage-of/{dist.get_rank()}", str(stage))
+        keys_within(store, [f"stage-of/{member}" for member in members], setup_bound(),
+                    f"rank {dist.get_rank()}: meeting the stage's replicas")
         stages = {member: int(store.get(f"stage-of/{member}")) for member in members}
         if len(set(stages.values())) != 1:
             raise ValueError(f"the data_parallel group must hold the same stage of each pipeline; its ranks run stages "
@@ -105,7 +107,7 @@ class Replicas:
 
     def finish(self, pending: Pending, check: Callable[[], None]) -> None:
         """Wait for the sums (looking for failures elsewhere meanwhile); note when they ended."""
-        wait(pending.works, check)
+        wait(pending.works, check, pending.nbytes)
         pending.end = time.perf_counter()
 
     def assign(self, pending: Pending, total: int) -> None:
@@ -116,9 +118,18 @@ class Replicas:
                 pending.gradients[i].copy_(mean)
 
 
-def wait(works: list, check: Callable[[], None]) -> None:
-    """Wait for collectives, calling `check` meanwhile; a broken one is a StageFailed (or the reported cause)."""
-    until_completed(works, check)
+def wait(works: list, check: Callable[[], None], nbytes: int = 16) -> None:
+    """Wait for collectives of `nbytes` in all, calling `check` meanwhile, up to a transfer's bound
+    (then Stalled, which the call reports to every rank, aborting the groups); a broken one is a
+    StageFailed (or the reported cause)."""
+    bound, since = transfer_bound(nbytes), time.monotonic()
+
+    def checked() -> None:
+        check()
+        if time.monotonic() - since > bound:
+            raise Stalled(f"waited {in_seconds(bound)} for the all-reduce of {nbytes} bytes with the other "
+                          "replicas, its bound")
+    until_completed(works, checked)
     for work in works:
         try:
             work.wait()

@@ -32,6 +32,7 @@ import torch
 from ..device import cpu_cores
 from . import wire
 from .wire import Arrival, Lost
+from .works import Stalled, in_seconds, keys_within, setup_bound, transfer_bound
 
 SHM = "/dev/shm"
 RECORD = struct.Struct("<IIQ")  # bytes of the record, segment generation, payload offset; then the header
@@ -175,13 +176,14 @@ class ShmLane:
             self._poller.register(fd, select.POLLIN)
         store.set(f"shm/{rank}/reading", "1")
         self._outboxes: dict[int, int] = {}
+        meeting = f"rank {rank}: opening the shared-memory lane"
+        keys_within(store, [f"shm/{peer}/reading" for peer in peers], setup_bound(), meeting, on_stall)
         for peer in peers:  # open the FIFOs this rank writes, once the neighbour reads them
-            store.get(f"shm/{peer}/reading")
             self._outboxes[peer] = os.open(f"{prefix}{rank}to{peer}.fifo", os.O_WRONLY | os.O_NONBLOCK)
         self._slots: dict[tuple[int, str], _Outbox] = {}
         store.set(f"shm/{rank}/writing", "1")
+        keys_within(store, [f"shm/{peer}/writing" for peer in peers], setup_bound(), meeting, on_stall)
         for peer in peers:  # both ends are open: the names can go
-            store.get(f"shm/{peer}/writing")
             os.unlink(f"{prefix}{peer}to{rank}.fifo")
 
     def begin(self) -> None:
@@ -200,14 +202,20 @@ class ShmLane:
         self._write(destination, RECORD.pack(RECORD.size + len(header), generation, offset) + header)
 
     def _write(self, destination: int, record: bytes) -> None:
-        fd = self._outboxes[destination]
+        """Write one record into the neighbour's FIFO; while the FIFO is full, wait and look for
+        failures, up to a transfer's bound (Stalled: the neighbour read nothing for that long)."""
+        fd, since = self._outboxes[destination], None
         while True:
             try:
                 os.write(fd, record)  # at most PIPE_BUF bytes: written whole or not at all
                 return
             except BlockingIOError:  # the neighbour has not read for a while: wait, and look for failures
+                since = time.monotonic() if since is None else since
                 select.select([], [fd], [], 0.05)
                 self.on_stall()
+                if time.monotonic() - since > transfer_bound(len(record)):
+                    raise Lost(destination, Stalled(f"waited {in_seconds(time.monotonic() - since)} for stage "
+                                                    f"{destination} to read its full FIFO, its bound")) from None
             except BrokenPipeError as error:
                 raise Lost(destination, error) from None
 

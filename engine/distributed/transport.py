@@ -7,7 +7,8 @@ stage thread files whatever arrives under its key, so any schedule's order works
 
 Failures never leave a rank waiting: a failing rank writes a note to the group's Store, which a
 waiting rank reads every POLL_SECONDS; a rank that dies closes its connections, and the neighbour
-that sees it tells the Store.
+that sees it tells the Store. Every wait has a bound (works.py; docs/processes.md lists them): a
+transfer's payload that never lands is reported, with what every rank waits for, and the call ends.
 """
 from __future__ import annotations
 
@@ -30,12 +31,22 @@ from ..transport import StageFailed
 from . import shm_lane, wire
 from .gloo_lane import GlooLane
 from .wire import Lost
-from .works import until_completed
+from .works import (
+    Stalled,
+    finished_within,
+    in_seconds,
+    keys_within,
+    setup_bound,
+    transfer_bound,
+    until_completed,
+    wait_bound,
+)
 
 POLL_SECONDS = 0.05                            # how often a waiting rank looks for failures elsewhere
 STUCK_SECONDS = 2.0                            # a wait this long is posted; when every rank's is, a deadlock
 _ABSENT = "-"                                  # what a non-blocking read of the Store gives for a missing key
 NOTE_CHARS = 2000                              # the longest failure note a rank posts or reads (text only)
+NOTE_SECONDS = 5.0                             # the most a rank whose pipe could not be made spends posting why
 LANES = ("auto", "shm", "gloo")
 _serials = itertools.count()                   # pipes made in this process: the same order on every rank
 
@@ -110,9 +121,19 @@ class World:
         store = dist.PrefixStore(f"gpipe-lab/{next(_serials)}/", dist.distributed_c10d._get_default_store())
         store.set(f"rank/{dist.get_rank()}",
                   json.dumps([members, _clock_id(), device.type, gpu_identity(device), nccl_in(group)]))
-        told = [json.loads(store.get(f"rank/{r}")) for r in range(dist.get_world_size())]
-        return cls(store, sorted({tuple(t[0]) for t in told}), {r: t[1] for r, t in enumerate(told)},
-                   [t[2] for t in told], [t[3] for t in told], [t[4] for t in told])
+        keys = [f"rank/{r}" for r in range(dist.get_world_size())]
+        keys_within(store, keys, setup_bound(), f"rank {dist.get_rank()}: the ranks' meeting to make a pipe",
+                    lambda: told(store, "broken"))
+        said = [json.loads(store.get(key)) for key in keys]
+        return cls(store, sorted({tuple(t[0]) for t in said}), {r: t[1] for r, t in enumerate(said)},
+                   [t[2] for t in said], [t[3] for t in said], [t[4] for t in said])
+
+
+def told(store, *keys: str) -> None:
+    """Raise StageFailed with the note a rank left in `store` under any of `keys`."""
+    for key in keys:
+        if store.check([key]):
+            raise StageFailed(store.get(key)[:4 * NOTE_CHARS].decode(errors="replace")[:NOTE_CHARS])
 
 
 def use_nccl(device_types: list[str], nccl: list[bool], gpus: list[str]) -> bool:
@@ -168,8 +189,9 @@ class ProcessTransport:
         except BaseException as error:  # told, so that the other ranks building the pipe stop too
             note = str(error) if isinstance(error, StageFailed) \
                 else f"rank {ranks.rank}: {type(error).__name__}: {error}"
-            try:
-                self.shared.set("broken", note[:NOTE_CHARS])
+            try:  # a set-up thread given up on may still hold this process's connection to the Store
+                finished_within(NOTE_SECONDS, "posting the failure",
+                                lambda: self.shared.set("broken", note[:NOTE_CHARS]))
             except Exception:  # the Store itself failed: the peers see that on their own
                 pass
             raise
@@ -195,6 +217,8 @@ class ProcessTransport:
         if asked != "gloo" and world.one_host and on_cpus and shm_lane.available():
             if self.ranks.rank == 0:  # a ProcessPool names its children's files, to sweep what they leave
                 self.store.set("shm/prefix", f"{os.environ.get('GPIPE_SHM_PREFIX', 'gpipe')}-{uuid.uuid4().hex[:12]}-")
+            keys_within(self.store, ["shm/prefix"], setup_bound(), f"rank {self.ranks.rank}: the shared-memory "
+                        "lane's name", lambda: self._told("broken"))
             prefix = self.store.get("shm/prefix").decode()
             return shm_lane.ShmLane(self.ranks.rank, peers, self.store, f"{shm_lane.SHM}/{prefix}",
                                     on_stall=self.check_failures, spin=shm_lane.spin_for(len(world.clocks)))
@@ -227,7 +251,7 @@ class ProcessTransport:
         NCCL delivered it (the host waits, looking for failures: a stream waiting on a lost peer could not)."""
         value, ready, sender = self._get((self.step, *key))  # NCCL works, or a host copy's CUDA event
         if isinstance(ready, list):                              # (the stage waits on the event)
-            self._landed(ready, sender)
+            self._landed(ready, sender, (self.step, *key), value)
         return value, ready
 
     def send(self, source: int, destination: int, key, value: Value) -> None:
@@ -248,20 +272,48 @@ class ProcessTransport:
         NCCL payload's transfer done, a host copy's event passed (a ping-pong times the whole trip)."""
         value, ready, sender = self._get((self.step, kind, micro, 0))
         if isinstance(ready, list):
-            self._landed(ready, sender)
+            self._landed(ready, sender, (self.step, kind, micro, 0), value)
         elif ready is not None:
             ready.synchronize()
         return value
 
-    def _landed(self, works: list, sender: int) -> None:
-        """Return once the NCCL receives `works` from rank `sender` are done, looking for failures while
-        the host waits; StageFailed naming the sender if one ended in an error (a completed work may
-        have failed: wait() would not say so on the host)."""
-        until_completed(works, self._check_receiving, every=POLL_SECONDS)
+    def _landed(self, works: list, sender: int, key, value) -> None:
+        """Return once the NCCL receives `works` of `value` (filed under `key`) from rank `sender` are
+        done, looking for failures while the host waits. A wait past STUCK_SECONDS is posted for the
+        deadlock detector as a payload pending; past its transfer bound the call fails here, with
+        what every rank waits for. StageFailed naming the sender if one ended in an error (a
+        completed work may have failed: wait() would not say so on the host)."""
+        since, posted = time.monotonic(), None
+
+        def waiting() -> None:
+            nonlocal posted
+            self._check_receiving()
+            waited = time.monotonic() - since
+            if waited > STUCK_SECONDS:
+                posted = self._stuck(key, posted, pending=True)
+                nbytes = sum(t.numel() * t.element_size() for t in wire.describe(value)[1] if t is not None)
+                if waited > transfer_bound(nbytes):
+                    self._stalled(key, waited, f"the payload of {self._wanted(key)} ({nbytes} bytes on the edge "
+                                               f"({key[1]!r}, {sender}, {self.ranks.rank}), bound "
+                                               f"{in_seconds(transfer_bound(nbytes))})")
+        until_completed(works, waiting, every=POLL_SECONDS)
+        if posted is not None:
+            self.store.delete_key(f"waits/{self.step}/{self.ranks.rank}")
         for work in works:
             if work.exception() is not None:
                 self._failure = self._lost(sender, work.exception())
                 raise self._failure
+
+    def _stalled(self, key, waited: float, what: str) -> None:
+        """A wait for `key` (`what` it waits for, and its bound) outlasted its bound: fail the call on
+        every rank, saying what waited here and what each other rank posted it waits for."""
+        others = [self.store.compare_set(f"waits/{key[0]}/{rank}", _ABSENT, _ABSENT).decode()
+                  for rank in range(self.ranks.size) if rank != self.ranks.rank]
+        meanwhile = "; ".join(note.split("\n", 1)[1] for note in others if note != _ABSENT) or "nothing posted"
+        note = f"stalled: stage {self.ranks.rank} waited {in_seconds(waited)} for {what}; the others wait: {meanwhile}"
+        self.report_failure(note)
+        self._failure = StageFailed(note)
+        raise self._failure
 
     def check(self) -> None:
         """Raise StageFailed if a connection was lost (failures elsewhere are seen while waiting)."""
@@ -302,9 +354,7 @@ class ProcessTransport:
 
     def _told(self, *keys: str) -> None:
         """Raise StageFailed with the note a rank left in the shared store under any of `keys`."""
-        for key in keys:
-            if self.shared.check([key]):
-                raise StageFailed(self.shared.get(key)[:4 * NOTE_CHARS].decode(errors="replace")[:NOTE_CHARS])
+        told(self.shared, *keys)
 
     def _check_receiving(self) -> None:
         """While the host waits for an NCCL receive: a connection the lane lost, or a failure told in the store."""
@@ -320,8 +370,9 @@ class ProcessTransport:
             self.check_failures()
         except StageFailed as reported:
             return reported
-        description = (f"[rank {peer}, stage {peer}] unreachable: rank {self.ranks.rank} lost its connection to "
-                       f"it ({str(error).splitlines()[0][:200]}); its process has probably died")
+        description = f"stalled: stage {self.ranks.rank} {error}" if isinstance(error, Stalled) else \
+            (f"[rank {peer}, stage {peer}] unreachable: rank {self.ranks.rank} lost its connection to "
+             f"it ({str(error).splitlines()[0][:200]}); its process has probably died")
         try:
             self.shared.set("broken", description)
         except Exception:
@@ -343,35 +394,47 @@ class ProcessTransport:
                 raise self._failure from None
             if not arrivals:
                 self.check_failures()
-                if time.monotonic() - since > STUCK_SECONDS:
+                waited = time.monotonic() - since
+                if waited > STUCK_SECONDS:
                     posted = self._stuck(key, posted)
+                    if waited > wait_bound():
+                        self._stalled(key, waited, f"{self._wanted(key)} (bound {in_seconds(wait_bound())}, "
+                                                   "GPIPE_WAIT_SECONDS)")
             for arrival in arrivals:
                 self._file(arrival)
         if posted is not None:
             self.store.delete_key(f"waits/{self.step}/{self.ranks.rank}")
         return self._arrived.pop(key)
 
-    def _stuck(self, key, posted: Optional[str]) -> str:
-        """Post that this rank has waited STUCK_SECONDS for `key`, with the messages it has sent to and
-        read from each rank in this call (again whenever those change). When every rank of the pipe
-        waits and every message sent was read (none is still on its way, as a large payload on a
-        slow link can be for seconds), none can send what another waits for: a deadlock. Fail the
-        call, naming each rank's wait. Returns what this rank posted."""
+    def _wanted(self, key) -> str:
+        """What the task waiting for `key` needs, in words: "F3 from stage 0", or "its 'end' message"."""
         step, kind, micro, chunk = key
-        what = (f"{'FB'[kind == 'grad']}{micro} from stage "
-                f"{self.placement[chunk + (kind == 'grad') - (kind == 'act')]}") if kind in ("act", "grad") \
-            else f"its {kind!r} message"
+        if kind not in ("act", "grad"):
+            return f"its {kind!r} message"
+        return f"{'FB'[kind == 'grad']}{micro} from stage {self.placement[chunk + (kind == 'grad') - (kind == 'act')]}"
+
+    def _stuck(self, key, posted: Optional[str], pending: bool = False) -> str:
+        """Post that this rank has waited STUCK_SECONDS for `key` (its header, or with `pending` its
+        payload, which NCCL is still moving), with the messages it has sent to and read from each rank
+        in this call (again whenever those change). When every rank of the pipe waits for a header and
+        every message sent was read (none is still on its way, as a large payload on a slow link can be
+        for seconds), none can send what another waits for: a deadlock. Fail the call, naming each
+        rank's wait. A pending payload is bounded by its transfer's bound instead (`_landed`). Returns
+        what this rank posted."""
+        step = key[0]
         peers = range(self.ranks.size)
         counts = [[self._traffic[(step, way, peer)] for peer in peers] for way in ("sent", "received")]
-        note = f"{json.dumps(counts)}\nstage {self.ranks.rank} waits for {what}"
+        what = f"the payload of {self._wanted(key)}" if pending else self._wanted(key)
+        note = f"{json.dumps([*counts, pending])}\nstage {self.ranks.rank} waits for {what}"
         if note == posted:
             return note
         self.store.set(f"waits/{step}/{self.ranks.rank}", note)
         notes = [self.store.compare_set(f"waits/{step}/{rank}", _ABSENT, _ABSENT).decode() for rank in peers]
         if _ABSENT not in notes:  # every rank waits (a read that does not block: a wait may end meanwhile)
-            told = [(json.loads(n.split("\n", 1)[0]), n.split("\n", 1)[1]) for n in notes]
-            if all(told[a][0][0][b] == told[b][0][1][a] for a in peers for b in peers):
-                self.report_failure("deadlock: " + "; ".join(wait for _, wait in told))
+            said = [(json.loads(n.split("\n", 1)[0]), n.split("\n", 1)[1]) for n in notes]
+            if not any(counts[2] for counts, _ in said) and \
+                    all(said[a][0][0][b] == said[b][0][1][a] for a in peers for b in peers):
+                self.report_failure("deadlock: " + "; ".join(wait for _, wait in said))
         return note
 
     def _file(self, arrival: wire.Arrival) -> None:

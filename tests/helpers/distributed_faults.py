@@ -5,6 +5,8 @@ in the folder named by GPIPE_FAULTS_OUT.
 
     torchrun --standalone --nproc-per-node 3 tests/helpers/distributed_faults.py errors [RUNS [BACKWARD_RUNS]]
     torchrun --nnodes 2 ... tests/helpers/distributed_faults.py kill      # one process per "node"
+    torchrun --nnodes 2 ... tests/helpers/distributed_faults.py setup     # rank 1 stops making the gloo lane
+    GPIPE_LANE=gloo torchrun --standalone --nproc-per-node 3 ... stall    # a payload that never lands
 """
 import json
 import os
@@ -114,6 +116,39 @@ def forge_end(pipe, forged) -> None:
     transport.send_control = send_control
 
 
+class NeverLands:
+    """An NCCL receive whose transfer never completes (the sender's side never came)."""
+
+    def is_completed(self):
+        return False
+
+    def exception(self):
+        return None
+
+
+def stall_payload(pipe, micro: int) -> None:
+    """Make this rank's receive of activation `micro` a transfer that never lands."""
+    transport = pipe.runner.transport
+    honest = transport._file
+
+    def file(arrival):
+        if arrival.header.kind == "act" and arrival.header.micro == micro:
+            arrival = arrival._replace(ready=[NeverLands()])
+        honest(arrival)
+    transport._file = file
+
+
+def stop_making_the_lane() -> None:
+    """Stop this process (SIGSTOP: alive, its agent and the Store up, as a rank hung or killed where
+    the Store outlives it) as it starts making the gloo lane's groups, after the ranks' meeting."""
+    from engine.distributed import gloo_lane
+
+    def own_group(*args, **kwargs):
+        report(failed_at=time.time(), pid=os.getpid())  # the test kills it
+        os.kill(os.getpid(), signal.SIGSTOP)
+    gloo_lane.own_group = own_group
+
+
 def batch():
     torch.manual_seed(1)
     return torch.randn(24, 16), torch.randint(0, 3, (24,))
@@ -126,6 +161,20 @@ def main(group: str, runs: int, backward_runs: int) -> None:
     x, y = batch()
     last = size - 1
     inputs, targets = (x if RANK == 0 else None), (y if RANK == last else None)
+    if group == "stall":  # rank 1's F1 waits for a payload that never lands
+        SCENARIO = "stall"
+        pipe = GPipe(mlp(), size, chunks=4, threads_per_stage=1, group=dist.group.WORLD)
+        if RANK == 1:
+            stall_payload(pipe, micro=1)
+        report(failed_at=time.time())
+        attempt(lambda: pipe.step(inputs, targets, LOSS))
+        os._exit(0)  # the lane gave up its transfers: leave without the collective clean-up
+    if group == "setup":
+        SCENARIO = "setup"
+        if RANK == 1:
+            stop_making_the_lane()
+        attempt(lambda: GPipe(mlp(), size, chunks=4, threads_per_stage=1, group=dist.group.WORLD))
+        os._exit(0)  # a thread still waits in the group's making: leave without it
     if group == "kill":
         SCENARIO = "kill"
         model = mlp()

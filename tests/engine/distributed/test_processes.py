@@ -1,7 +1,10 @@
 """Stages as processes (GPipe(..., group=...)): the same results as threads, bit for bit; faults
 raised on every rank within bounds; local pools and torchrun launches that leave nothing behind."""
+import contextlib
 import json
 import os
+import re
+import signal
 import subprocess
 import sys
 import time
@@ -227,6 +230,49 @@ def test_a_rank_killed_on_another_node_is_raised_by_the_survivor_within_15_secon
     # both "nodes" are this host: the survivor waited on a shared-memory slot when its writer died
     assert [r["lane"] for r in reports if "lane" in r] == ["shared memory"]
     assert shm_left(prefix) == [], "nothing of the pipe stays in /dev/shm"
+
+
+@pytest.mark.timeout(90)
+def test_a_payload_that_never_lands_is_reported_by_every_rank_within_its_bound(tmp_path, monkeypatch):
+    """Rank 1's receive of F1's activation is a transfer that never completes (as an NCCL receive whose
+    send never came): past the transfer bound every rank raises, saying which edge and task waited
+    and what the other ranks wait for; a pending payload is not taken for a deadlock before that."""
+    monkeypatch.setenv("GPIPE_LANE", "gloo")
+    monkeypatch.setenv("GPIPE_TRANSFER_SECONDS", "3")
+    result, reports = run_torchrun(["--standalone", "--nproc-per-node", "3", FAULTS, "stall"], 80, tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    started = min(r["failed_at"] for r in reports if "failed_at" in r)
+    raised = {r["rank"]: r for r in reports if "raised" in r}
+    assert sorted(raised) == [0, 1, 2]
+    for report in raised.values():
+        assert report["raised"] == "StageFailed", report
+        said = report["message"]
+        assert re.match(r"stalled: stage 1 waited 3\.\d s for the payload of F1 from stage 0 \(", said), report
+        assert "bytes on the edge ('act', 0, 1), bound 3.0 s)" in said, report
+        assert "stage 0 waits for B3 from stage 1" in said and "stage 2 waits for F1 from stage 1" in said, report
+        assert 3 <= report["at"] - started < 3 + 5, report
+
+
+@pytest.mark.timeout(120)
+def test_a_rank_stopped_while_the_lane_is_made_is_reported_within_the_set_up_bound(tmp_path):
+    """Rank 1 stops (SIGSTOP; the test's end kills it) as the gloo lane's groups are made, which block
+    until every rank has come, up to the group's one-year timeout: the other gives up on that set-up
+    at its bound and says so."""
+    try:
+        two_nodes([FAULTS, "setup"], "setup-test", timeout=90,
+                  env={"GPIPE_FAULTS_OUT": str(tmp_path), "GPIPE_LANE": "gloo", "GPIPE_SETUP_SECONDS": "5"},
+                  done=lambda: any(r.get("raised") for r in read_reports(tmp_path)))
+    finally:  # the stopped rank outlives its agent (torchrun starts workers in sessions of their own)
+        for pid in [r["pid"] for r in read_reports(tmp_path) if "pid" in r]:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+    reports = read_reports(tmp_path)
+    stopped_at = next(r["failed_at"] for r in reports if "failed_at" in r)
+    survivor = next(r for r in reports if r.get("raised"))
+    assert survivor["rank"] == 0 and survivor["raised"] == "StageFailed", survivor
+    assert survivor["message"].startswith("rank 0: making the gloo lane's groups did not finish within 5 s; "
+                                          "has a rank died or stopped?"), survivor
+    assert survivor["at"] - stopped_at < 5 + 10
 
 
 @pytest.mark.timeout(120)

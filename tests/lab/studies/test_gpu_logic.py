@@ -70,7 +70,7 @@ def _lane_with_nccl_sends_in_flight():
     lane.rank, lane.tensor_groups = 0, {("act", 0, 1): (_NcclGroup(), 1)}
     lane._reap, lane._wakes, lane._closed, lane._abandoned, lane.error = threading.Condition(), 0, False, False, None
     lane._events = queue.SimpleQueue()
-    lane._in_flight = collections.deque([([], [_NeverCompletes()], None, 1)])
+    lane._in_flight = collections.deque([([], [_NeverCompletes()], (torch.empty(64, dtype=torch.uint8), []), 1)])
     return lane
 
 
