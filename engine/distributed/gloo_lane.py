@@ -8,15 +8,19 @@ tensor op). A sender thread completes sends and frees their buffers, so a stage 
 neighbour. The lane's groups are its own, with one-year timeouts: its traffic never mixes with the
 user's and an idle pipe never times out.
 
-NCCL receives go on a stream per edge, so they wait for nothing the stage queued. A failed call
-aborts the edges' NCCL groups (a send to a neighbour that stopped reading would never match, and a
-stream waiting on it would never be free); a later call then raises StageFailed. Making the lane
-(groups, NCCL's communicators) and every transfer have bounds (works.py).
+Between GPUs, payloads travel on one two-rank NCCL group per neighbour, both ways, and each rank
+posts its transfers in the call's one order (turns.py), from a stream per neighbour that waits only
+for the stage's work producing a send. On every gloo lane the receives of activations and
+gradients reach the stage thread in that order too, so the CPU runs the same turns. A failed call
+aborts the NCCL groups (a send to a neighbour that stopped reading would never match, and a stream
+waiting on it would never be free); a later call then raises StageFailed. Making the lane (groups,
+NCCL's communicators) and every transfer have bounds (works.py).
 """
 from __future__ import annotations
 
 import collections
 import datetime
+import functools
 import itertools
 import queue
 import struct
@@ -29,6 +33,7 @@ import torch.distributed as dist
 
 from ..transport import StageFailed
 from . import wire
+from .turns import Turns
 from .wire import Arrival, Lost
 from .works import Stalled, finished_within, gloo_timeout, in_seconds, setup_bound, transfer_bound, until_completed
 
@@ -37,6 +42,7 @@ PREPOSTED = 8                                  # receives kept posted per neighb
 REAP_AFTER = 16                                # sends in flight before the sender thread releases some
 NEVER = datetime.timedelta(days=365)           # a listener's wait for the next header: an idle pipe never times out
 CLOCK_ROUNDS = 8
+PAYLOAD_KINDS = ("act", "grad")                # messages posted in turns; their payloads go over NCCL between GPUs
 
 
 class _Link:
@@ -62,9 +68,9 @@ class GlooLane:
         self.rank, self.device = rank, device
         self.name = "gloo+nccl" if nccl else "gloo"  # headers always on gloo; payloads between GPUs on NCCL
         self.wire = wire_group(pipelines, members, rank)
-        # a two-rank NCCL group per edge carries traffic one way only: NCCL may hold a send until its
-        # receive is posted, so two ranks could otherwise both wait on sends posted first
+        # a two-rank NCCL group per neighbour, both ways: the turns keep its sends and receives from crossing
         self.tensor_groups = edge_groups(pipelines, members, len(members), placement) if nccl else {}
+        self.turns = Turns(rank)
         self._events: queue.SimpleQueue = queue.SimpleQueue()  # (link, slot) or (None, error, peer)
         self._in_flight: collections.deque = collections.deque()  # sends: (gloo works, NCCL works, buffers, peer)
         self._reap = threading.Condition()           # wakes the sender thread: reap what is in flight
@@ -72,7 +78,7 @@ class GlooLane:
         self._closed = False
         self.error: Optional[tuple[int, BaseException]] = None  # (peer, error) a listener or the sender met
         self._abandoned = False                      # a call failed: NCCL's groups are aborted
-        self._receive_streams: dict = {}             # NCCL edge -> the stream its receives are posted on
+        self._streams: dict = {}                     # neighbour -> the stream its NCCL transfers are posted from
         self._links = [_Link(peer, self.wire) for peer in peers]
         self._threads = [threading.Thread(target=self._listen, args=(link,), daemon=True,
                                           name=f"gpipe-listen-{rank}-from-{link.peer}") for link in self._links]
@@ -100,6 +106,14 @@ class GlooLane:
                               f"so this pipe cannot run another call; close it and make a new one")
         self._wake_sender()
 
+    def expect(self, step: int, order) -> None:
+        """Call `step` posts its activations and gradients in `order` (turns.transfer_order; None: as they come)."""
+        self.turns.expect(step, order)
+
+    def held(self, step: int) -> dict[int, int]:
+        """Messages of call `step` that landed and wait for their turn, per sending rank."""
+        return self.turns.held(step)
+
     def abandon(self, also: list = ()) -> None:
         """The call failed somewhere: abort NCCL's groups, the edges' and `also` (this rank's other NCCL
         groups) in one call, so nothing waits for transfers a failed peer will never match (gloo's
@@ -112,20 +126,51 @@ class GlooLane:
         self._wake_sender()
 
     def post(self, destination: int, step: int, kind: str, micro: int, chunk: int, decision, value) -> None:
-        """Send one message; its buffers are held until the send completes, on the sender thread."""
-        edge = self.tensor_groups.get((kind, self.rank, destination))
-        if edge is None:
+        """Send one message: its header at once, an NCCL payload in its turn; buffers are held until
+        the sends complete, on the sender thread."""
+        edge = self.tensor_groups.get(destination) if kind in PAYLOAD_KINDS else None
+        if edge is None:  # over gloo, header and payload at once (gloo's sends never wait for a receive)
             frame, tensors = wire.encode(step, kind, micro, chunk, decision, _on_cpu(value))
-            group, peer, tag = self.wire, destination, DATA_TAG
-        else:  # NCCL moves GPU memory: a host tensor in a GPU stage's value goes to its GPU first
-            frame, tensors = wire.encode(step, kind, micro, chunk, decision, _on_gpu(value, self.device), inline=False)
-            (group, peer), tag = edge, 0
-        header = self.wire.send([frame], destination, HEADER_TAG)
-        payload = [group.send([as_bytes(t) if edge is not None else t], peer, tag) for t in tensors]
-        gloo, nccl = ([header], payload) if edge is not None else ([header, *payload], [])
-        self._in_flight.append((gloo, nccl, (frame, tensors), destination))
+            sends = [self.wire.send([frame], destination, HEADER_TAG)]
+            sends += [self.wire.send([t], destination, DATA_TAG) for t in tensors]
+            self._hold(sends, [], [frame, *tensors], destination)
+            if kind in PAYLOAD_KINDS:
+                self.turns.offer(step, (kind, micro, chunk), "send", _nothing)
+            return
+        # NCCL moves GPU memory: a host tensor in a GPU stage's value goes to its GPU first
+        frame, tensors = wire.encode(step, kind, micro, chunk, decision, _on_gpu(value, self.device), inline=False)
+        self._hold([self.wire.send([frame], destination, HEADER_TAG)], [], [frame], destination)
+        produced = torch.cuda.Event()
+        produced.record(torch.cuda.current_stream(self.device))
+        self.turns.offer(step, (kind, micro, chunk), "send",
+                         functools.partial(self._send_payload, edge, destination, tensors, produced))
+
+    def _send_payload(self, edge: tuple, destination: int, tensors: list, produced) -> None:
+        """In its turn (on whichever thread took it): post a message's NCCL sends, from the
+        neighbour's stream once the stage's stream has produced them."""
+        group, peer = edge
+        try:
+            stream = self._stream(destination)
+            with torch.cuda.device(self.device), torch.cuda.stream(stream):
+                stream.wait_event(produced)
+                works = [group.send([as_bytes(t)], peer, 0) for t in tensors]
+        except Exception as error:  # an aborted group: the stage thread raises it
+            self._fail(destination, error)
+            return
+        self._hold([], works, tensors, destination)
+
+    def _hold(self, gloo: list, nccl: list, buffers: list, destination: int) -> None:
+        """Keep a send's buffers until its works complete (the sender thread reaps them)."""
+        self._in_flight.append((gloo, nccl, buffers, destination))
         if len(self._in_flight) > REAP_AFTER:
             self._wake_sender()
+
+    def _stream(self, peer: int):
+        """The stream this rank posts its NCCL transfers with `peer` from (made on first use)."""
+        stream = self._streams.get(peer)
+        if stream is None:
+            stream = self._streams[peer] = torch.cuda.Stream(self.device)
+        return stream
 
     def receive(self, timeout: float) -> list[Arrival]:
         """The next message, read on the stage thread; [] after `timeout` seconds. Lost if a connection
@@ -159,27 +204,31 @@ class GlooLane:
             tensors, ready = to_gpu(tensors, home)
         return [Arrival(link.peer, header, tensors, ready, start, time.perf_counter())]
 
-    def _post_nccl_receives(self, link: _Link, slot: int) -> Optional[tuple[list, list]]:
-        """On the listener thread, as a header lands: if its payload follows over an NCCL edge, post
-        the receives now (tensors of the announced shapes, and the works), so that the sender's NCCL
-        send is matched at once rather than when the stage next reads (a send held until then could
-        wait behind kernels of the other direction's communicator); else None."""
-        if not any(source == link.peer for _, source, _ in self.tensor_groups):
-            return None  # no NCCL edge from this neighbour (a lane of CPUs): nothing to decode here
-        header = wire.decode_header(link.views[slot])
-        edge = self.tensor_groups.get((header.kind, link.peer, self.rank))
-        if edge is None or header.inline:
+    def _receive_payload(self, link: _Link, slot: int) -> Optional[tuple[list, list]]:
+        """In its turn, on the listener thread that took it: if a message's payload follows over NCCL,
+        post its receives (tensors of the announced shapes, and the works) from the neighbour's
+        stream, which waits for nothing the stage queued; else None (the stage reads the payload
+        from the frame, or after it over gloo). An error (a malformed header, an aborted group) is
+        returned for the stage thread to raise."""
+        edge = self.tensor_groups.get(link.peer)
+        if edge is None:
             return None
-        group, local_peer = edge
-        home = lands_on(header.kind, self.device)
-        stream = self._receive_streams.get(edge)
-        if stream is None:
-            stream = self._receive_streams[edge] = torch.cuda.Stream(home)
-        # on the stage's GPU (a new thread's current device is cuda:0, where leaving the stream would open a context)
-        with torch.cuda.device(home), torch.cuda.stream(stream):  # waits for nothing the stage queued
-            tensors = wire.empty_tensors(header, home)
-            works = [group.recv([as_bytes(t)], local_peer, 0) for t in tensors if t is not None]
+        try:
+            header = wire.decode_header(link.views[slot])
+            if header.inline:
+                return None
+            group, local_peer = edge
+            # on the stage's GPU (a new thread's current device is cuda:0, where a stream would open a context)
+            with torch.cuda.device(self.device), torch.cuda.stream(self._stream(link.peer)):
+                tensors = wire.empty_tensors(header, self.device)
+                works = [group.recv([as_bytes(t)], local_peer, 0) for t in tensors if t is not None]
+        except Exception as error:
+            return error
         return wire.marked(tensors, header), works
+
+    def _arrived(self, link: _Link, slot: int) -> None:
+        """A frame landed in `slot`: its payload's receives posted (in its turn), it goes to the stage."""
+        self._events.put((link, slot, self._receive_payload(link, slot)))
 
     def _payload(self, peer: int, header: wire.Header, home: torch.device) -> tuple[list, Optional[list]]:
         """Tensors that follow their frame over gloo, received into tensors of the announced shapes
@@ -243,11 +292,12 @@ class GlooLane:
             if self._closed:  # nobody reads any more: keep the slot posted for the goodbyes
                 link.repost(slot)
                 continue
-            try:
-                posted = self._post_nccl_receives(link, slot)
-            except Exception as error:  # a malformed header, or an aborted group: the stage thread raises it
-                posted = error
-            self._events.put((link, slot, posted))
+            step, kind, micro, chunk = struct.unpack_from("<4q", link.views[slot], 8)  # the header's first words
+            if 0 <= kind < len(wire.KINDS) and wire.KINDS[kind] in PAYLOAD_KINDS:
+                self.turns.offer(step, (wire.KINDS[kind], micro, chunk), "receive",
+                                 functools.partial(self._arrived, link, slot), link.peer)
+            else:  # control messages, and what cannot be read (the stage thread says so), at once
+                self._arrived(link, slot)
 
     def _fail(self, peer: int, error: BaseException) -> None:
         """A listener or the sender lost `peer`: tell the stage thread (an event; `error` for NCCL polls)."""
@@ -274,7 +324,7 @@ class GlooLane:
                 seen = self._wakes
             while self._in_flight:
                 gloo, nccl, buffers, destination = self._in_flight[0]
-                bound = transfer_bound(_bytes_of(buffers))
+                bound = transfer_bound(sum(t.numel() * t.element_size() for t in buffers if t is not None))
                 try:
                     for work in gloo:  # returns once gloo has sent the buffer (is_completed() would never say so)
                         work.wait(gloo_timeout(bound))
@@ -314,8 +364,7 @@ class GlooLane:
         for link in self._links:
             try:
                 for _ in range(PREPOSTED):
-                    goodbye = self.wire.send([frame], link.peer, HEADER_TAG)
-                    self._in_flight.append(([goodbye], [], (frame, []), link.peer))
+                    self._in_flight.append(([self.wire.send([frame], link.peer, HEADER_TAG)], [], [frame], link.peer))
             except Exception:
                 pass  # that neighbour is gone: nothing waits on the connection any more
         while True:  # frames still unread: give their slots back to the listeners
@@ -400,14 +449,15 @@ def lands_on(kind: str, device: torch.device) -> torch.device:
 
 def connect(edges: dict, rank: int, device: torch.device, check=lambda: None, lost=lambda: None,
             within: Optional[float] = None) -> None:
-    """Connect every NCCL edge now, one element each, in one order for all ranks: NCCL connects on first
+    """Connect every NCCL group with a neighbour (`edges`, as edge_groups gives them) now, one element
+    each way, in one order for all ranks (by pair, the lower rank's send first): NCCL connects on first
     use, and a peer that died then would block a stage where no abort reaches it. The probes are
     posted on a thread given up on (a group's first use makes its communicator, blocking, and may
     hold this process's connection to the Store meanwhile: only `lost`, which reads no Store, is
     called then), and the host polls them, calling `check` meanwhile (a device-wide synchronize would
     wait forever for a peer that died while the pipe was built); probes not done within `within`
     seconds (the set-up bound), or a failed one, raise StageFailed naming the edges. However it
-    ends early, the edges' groups are aborted first."""
+    ends early, the groups are aborted first."""
     if not edges:  # no NCCL on this lane
         return
     within = setup_bound() if within is None else within
@@ -420,16 +470,24 @@ def connect(edges: dict, rank: int, device: torch.device, check=lambda: None, lo
 
 def _connect(edges: dict, rank: int, device: torch.device, check, lost, within: float) -> None:
     deadline = time.monotonic() + within
+    ways = [(sender, receiver) for neighbour in sorted(edges, key=lambda n: (min(rank, n), max(rank, n)))
+            for sender, receiver in ((min(rank, neighbour), max(rank, neighbour)),
+                                     (max(rank, neighbour), min(rank, neighbour)))]
 
     def post() -> list:
+        probes = []
         with torch.cuda.device(device):
-            return [(edge, (group.send if edge[1] == rank else group.recv)([torch.zeros(1, device=device)], peer, 0))
-                    for edge, (group, peer) in sorted(edges.items())]
-    probes = finished_within(within, f"rank {rank}: making the NCCL edges' communicators {sorted(edges)}", post, lost)
+            for sender, receiver in ways:
+                group, local = edges[receiver if sender == rank else sender]
+                way = group.send if sender == rank else group.recv
+                probes.append(((sender, receiver), way([torch.zeros(1, device=device)], local, 0)))
+        return probes
+    probes = finished_within(within, f"rank {rank}: making the NCCL communicators with stages {sorted(edges)}",
+                             post, lost)
 
     def give_up(why: str) -> StageFailed:
         return StageFailed(f"rank {rank}: NCCL edge(s) {why} while the pipe was built; "
-                           f"has a peer died or stopped? (edges named (kind, sending stage, receiving stage))")
+                           f"has a peer died or stopped? (edges named (sending stage, receiving stage))")
 
     def late() -> None:
         check()
@@ -443,35 +501,31 @@ def _connect(edges: dict, rank: int, device: torch.device, check, lost, within: 
         raise give_up(f"{[edge for edge, _ in failed]} failed ({str(failed[0][1]).splitlines()[0][:200]})")
 
 
-def nccl_edges(size: int, placement: tuple = ()) -> list[tuple[str, int, int]]:
-    """The edges (kind, sender, receiver) a pipe's payloads travel, in one order for every rank: where
-    consecutive chunks sit on two ranks (`placement`: each chunk's rank; none given, one chunk each),
-    activations go one way and gradients come back. A loop placement (interleaved) adds last -> first,
-    a V (ZB-V) the way back down."""
-    pairs = zip(placement, placement[1:]) if placement else ((r, r + 1) for r in range(size - 1))
-    hops = list(dict.fromkeys((a, b) for a, b in pairs if a != b))
-    return [("act", a, b) for a, b in hops] + [("grad", b, a) for a, b in hops]
+def neighbour_pairs(size: int, placement: tuple = ()) -> list[tuple[int, int]]:
+    """The pairs of ranks (lower, higher) a pipe's payloads travel between, in one order for every rank:
+    ranks holding consecutive chunks (`placement`: each chunk's rank; none given, one chunk each),
+    with a loop placement's last -> first (interleaved) and a V's way back (ZB-V) among them."""
+    hops = zip(placement, placement[1:]) if placement else ((r, r + 1) for r in range(size - 1))
+    return list(dict.fromkeys((min(a, b), max(a, b)) for a, b in hops if a != b))
 
 
 def edge_groups(pipelines: list, members: list[int], size: int, placement: tuple = ()) -> dict:
-    """This rank's two-rank NCCL group per edge it is on, {(kind, sender, receiver): (group, peer's
-    rank in it)}; every rank makes every pipeline's, in one order."""
+    """This rank's two-rank NCCL group with each neighbour it exchanges payloads with, {neighbour's rank
+    in the pipeline: (group, its rank in the group)}; every rank makes every pipeline's, in one order."""
     me = dist.get_rank()
     mine = {}
     for ranks in pipelines:
-        for kind, a, b in nccl_edges(size, placement):
+        for a, b in neighbour_pairs(size, placement):
             pair = [ranks[a], ranks[b]]
             group = dist.new_group(pair, backend="nccl", timeout=NEVER, use_local_synchronization=False)
             if me in pair and list(ranks) == list(members):
                 peer = pair[1] if pair[0] == me else pair[0]
-                mine[(kind, a, b)] = (group, sorted(pair).index(peer))
+                mine[b if pair[0] == me else a] = (group, sorted(pair).index(peer))
     return mine
 
 
-def _bytes_of(buffers) -> int:
-    """The bytes a send in flight holds: its frame and its payload's tensors."""
-    frame, tensors = buffers
-    return frame.numel() + sum(t.numel() * t.element_size() for t in tensors if t is not None)
+def _nothing() -> None:
+    """A gloo send's turn: it left with its header."""
 
 
 def as_bytes(tensor: torch.Tensor) -> torch.Tensor:

@@ -101,6 +101,7 @@ class RankRunner:
         rank for a forward) and the trace of every stage on rank 0."""
         rank = self.ranks.rank
         t0 = self.local.start(call)  # after the decision arrived: waiting for it is not part of the call
+        self.transport.plan(call.schedule)
         self.origin = t0 - self.transport.clock_offset
         marks = run_tasks(self.local, [(rank, task) for task in call.schedule[rank]], self.transport,
                           live(self.local, on_event), prefix=self.prefix)
@@ -132,6 +133,7 @@ class RankRunner:
     def side_call(self) -> ProcessTransport:
         """The transport, in a call of its own for traffic outside the steps (the benchmark's ping-pong)."""
         self.transport.begin(self.calls)
+        self.transport.plan(None)
         self.calls += 1
         return self.transport
 

@@ -189,6 +189,14 @@ class ShmLane:
     def begin(self) -> None:
         """A new call: nothing to do (slots are reused call by call)."""
 
+    def expect(self, step: int, order) -> None:
+        """Nothing to order: a write to a FIFO or a slot never waits for the reader's receive."""
+
+    @staticmethod
+    def held(step: int) -> dict[int, int]:
+        """Nothing waits for a turn here."""
+        return {}
+
     def post(self, destination: int, step: int, kind: str, micro: int, chunk: int, decision, value) -> None:
         """Copy the payload into a slot, then send the header through the FIFO."""
         header, tensors = wire.encode_header(step, kind, micro, chunk, decision, value)

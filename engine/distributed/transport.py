@@ -30,6 +30,7 @@ from ..microbatch import Value
 from ..transport import StageFailed
 from . import shm_lane, wire
 from .gloo_lane import GlooLane
+from .turns import transfer_order
 from .wire import Lost
 from .works import (
     Stalled,
@@ -58,6 +59,9 @@ class Lane(Protocol):
     error: Optional[tuple]                      # (peer, error) a background thread met, else None
 
     def begin(self) -> None: ...                # a new call starts
+    def expect(self, step: int, order) -> None: ...  # call `step` posts its transfers in `order` (turns.py; None:
+                                                # as they come)
+    def held(self, step: int) -> dict: ...      # {peer: messages of call `step` that landed, waiting for a turn}
     def post(self, destination: int, step: int, kind: str, micro: int, chunk: int, decision, value) -> None: ...
     def receive(self, timeout: float) -> list: ...  # what arrived (wire.Arrival), [] after `timeout` seconds
     def abandon(self, also: list) -> None: ...  # the call failed: let go of transfers a failed peer will not
@@ -175,6 +179,8 @@ def gpu_identity(device: torch.device) -> str:
 class ProcessTransport:
     """This rank's connections to its neighbouring stages (see the module docstring)."""
 
+    lane: Optional[Lane] = None  # until the lane is made (a failure told meanwhile has nothing to let go of)
+
     def __init__(self, ranks: Ranks, group, device: torch.device, upstream: Optional[int], downstream: Optional[int],
                  placement: tuple = ()):
         self.ranks, self.device, self.upstream, self.placement = ranks, device, upstream, placement
@@ -185,7 +191,7 @@ class ProcessTransport:
         clocks = [world.clocks[member] for member in members]
         peers = sorted({p for p in (upstream, downstream) if p is not None and p != ranks.rank})
         try:
-            self.lane: Lane = self._open_lane(world, members, peers)
+            self.lane = self._open_lane(world, members, peers)
         except BaseException as error:  # told, so that the other ranks building the pipe stop too
             note = str(error) if isinstance(error, StageFailed) \
                 else f"rank {ranks.rank}: {type(error).__name__}: {error}"
@@ -205,6 +211,7 @@ class ProcessTransport:
         self._log: list[tuple] = []                  # (step, *fields of a trace.Message), perf_counter times
         self._traffic: collections.Counter = collections.Counter()  # (step, "sent" | "received", peer) -> messages
         self._closed = False
+        self._order: tuple = (None, [])              # (a schedule, its transfer_order): plans repeat call after call
         self.also_abort: list = []  # this rank's other NCCL groups (its replicas' sums): aborted with the lane's
 
     def _open_lane(self, world: "World", members: list[int], peers: list[int]) -> Lane:
@@ -237,6 +244,13 @@ class ProcessTransport:
         self._log = [entry for entry in self._log if entry[0] >= step]
         self._traffic = collections.Counter({key: n for key, n in self._traffic.items() if key[0] >= step})
         self.lane.begin()
+
+    def plan(self, schedule: Optional[list]) -> None:
+        """The current call runs `schedule`: the lane posts its transfers in the call's one order
+        (turns.py), computed once per schedule (None: a call of side traffic, posted as it comes)."""
+        if schedule is not None and self._order[0] is not schedule:
+            self._order = (schedule, transfer_order(schedule, self.placement))
+        self.lane.expect(self.step, None if schedule is None else self._order[1])
 
     def agree(self, decision: Optional[Decision]) -> Decision:
         """The call's decision: the first stage's own, elsewhere what the previous stage sent ahead ("call":
@@ -330,7 +344,8 @@ class ProcessTransport:
     def abandon(self) -> None:
         """The call failed: the lane lets go of its transfers, aborting its NCCL groups and the rank's
         others (`also_abort`) in one call (once: later calls do nothing)."""
-        self.lane.abandon(self.also_abort)
+        if self.lane is not None:
+            self.lane.abandon(self.also_abort)
 
     def report_failure(self, description: str) -> None:
         """Tell every rank, in a note of plain text, that the current call failed here (the first note stays)."""
@@ -421,9 +436,10 @@ class ProcessTransport:
         for seconds), none can send what another waits for: a deadlock. Fail the call, naming each
         rank's wait. A pending payload is bounded by its transfer's bound instead (`_landed`). Returns
         what this rank posted."""
-        step = key[0]
+        step, held = key[0], self.lane.held(key[0])  # a message waiting for its turn here has been read
         peers = range(self.ranks.size)
-        counts = [[self._traffic[(step, way, peer)] for peer in peers] for way in ("sent", "received")]
+        counts = [[self._traffic[(step, "sent", peer)] for peer in peers],
+                  [self._traffic[(step, "received", peer)] + held.get(peer, 0) for peer in peers]]
         what = f"the payload of {self._wanted(key)}" if pending else self._wanted(key)
         note = f"{json.dumps([*counts, pending])}\nstage {self.ranks.rank} waits for {what}"
         if note == posted:

@@ -11,7 +11,7 @@ from torch import nn
 from engine import GPipe
 from engine import schedule as schedules
 from engine.device import StageDevice, home_device, resolve_devices
-from engine.distributed.gloo_lane import edge_groups, lands_on, nccl_edges
+from engine.distributed.gloo_lane import edge_groups, lands_on, neighbour_pairs
 from lab.config import RunConfig
 from lab.machine import host
 from lab.machine.gpus import visible_gpus
@@ -96,13 +96,14 @@ def test_a_task_is_marked_started_after_its_input_is_received_and_serial_runs_se
 
 @pytest.mark.parametrize("name", list(schedules.SCHEDULES))
 @pytest.mark.parametrize("stages", [2, 3, 4])
-def test_every_payload_travels_an_nccl_edge_of_its_own(name, stages):
-    """NCCL may hold a send until the peer posts its receive: a communicator with traffic both ways
-    can deadlock. Each message a schedule sends must have its one-way edge (kind, sender, receiver)."""
+def test_every_payload_travels_the_nccl_group_of_its_two_ranks(name, stages):
+    """Each message a schedule sends between two ranks has their group (both ways: the turns keep
+    the two from crossing, tests/engine/distributed/test_turns.py), and no pair has a second one."""
     kind = schedules.SCHEDULES[name]
     plan = schedules.Schedule(kind(stages, 2 * stages, "never", kind.fewest_chunks))
     chunks, owner = len(plan.placement), plan.placement
-    edges = set(nccl_edges(stages, plan.placement))
+    pairs = neighbour_pairs(stages, plan.placement)
+    assert len(pairs) == len(set(pairs)) and all(a < b for a, b in pairs)
     for tasks in plan:
         for task in tasks:
             target = task.chunk + 1 if task.op == "F" else task.chunk - 1 if task.op == "B" else None
@@ -110,24 +111,23 @@ def test_every_payload_travels_an_nccl_edge_of_its_own(name, stages):
                 continue
             source, destination = owner[task.chunk], owner[target]
             if source != destination:
-                assert ("act" if task.op == "F" else "grad", source, destination) in edges
+                assert (min(source, destination), max(source, destination)) in pairs
 
 
 def test_every_rank_makes_every_pipelines_nccl_groups_in_one_order(monkeypatch):
     """Two pipelines of two stages on ranks {0, 1} and {2, 3}: torch.distributed needs every rank of
-    the world to make each group, in the same order; each rank keeps its own edges."""
+    the world to make each group, in the same order; each rank keeps the one with its neighbour."""
     made: dict[int, list] = {}
     for me in range(4):
         monkeypatch.setattr(dist, "get_rank", lambda me=me: me)
         monkeypatch.setattr(dist, "new_group", lambda ranks, me=me, **options: made.setdefault(me, []).append(
             (tuple(ranks), options["backend"])) or tuple(sorted(ranks)))
         mine = edge_groups([(0, 1), (2, 3)], [0, 1] if me < 2 else [2, 3], 2, (0, 1))
-        assert set(mine) == {("act", 0, 1), ("grad", 1, 0)}
         peer = me ^ 1   # its neighbour in its pipeline, rank 0 or 1 of each two-rank group
+        assert set(mine) == {peer % 2}, "keyed by the neighbour's rank in the pipeline"
         assert all(group == tuple(sorted([me, peer])) and local == sorted([me, peer]).index(peer)
                    for group, local in mine.values())
-    assert made[0] == made[1] == made[2] == made[3] == [((0, 1), "nccl"), ((1, 0), "nccl"), ((2, 3), "nccl"),
-                                                         ((3, 2), "nccl")]
+    assert made[0] == made[1] == made[2] == made[3] == [((0, 1), "nccl"), ((2, 3), "nccl")]
 
 
 def test_the_gpu_memory_budget_counts_what_the_step_allocated():

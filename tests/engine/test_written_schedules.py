@@ -373,27 +373,34 @@ def test_a_deadlock_at_run_time_is_reported_on_every_rank_with_the_waits_within_
 def test_ranks_that_all_wait_are_no_deadlock_while_a_message_is_still_on_its_way():
     """The run-time rule on two ranks sharing one Store: rank 0 sent rank 1 a message that rank 1 has
     not read yet (a large payload on a slow link), and both wait: no deadlock. Once rank 1 has read
-    it and still waits, the waits are a deadlock, reported with both."""
+    it, or it landed and waits for its turn (turns.py), and rank 1 still waits, the waits are a
+    deadlock, reported with both."""
+    from types import SimpleNamespace
+
     import torch.distributed as dist
 
     from engine.distributed.transport import ProcessTransport, Ranks
-    store, reports = dist.HashStore(), []
 
-    def rank(number):
+    def rank(number, store, reports, held):
         transport = ProcessTransport.__new__(ProcessTransport)
         transport.ranks, transport.store, transport.step = Ranks(number, 2), store, 0
         transport.placement, transport._traffic = [0, 1], collections.Counter()
-        transport.report_failure = reports.append
+        transport.report_failure, transport.lane = reports.append, SimpleNamespace(held=lambda step: held)
         return transport
 
-    first, second = rank(0), rank(1)
-    first._traffic[(0, "sent", 1)] = 1                         # an activation on its way to rank 1
-    posted = first._stuck((0, "grad", 0, 0), None)             # rank 0 waits for B0's gradient
-    second_posted = second._stuck((0, "act", 1, 1), None)      # rank 1 waits for F1: F0's still arriving
-    assert reports == [] and first._stuck((0, "grad", 0, 0), posted) == posted
-    second._traffic[(0, "received", 0)] = 1                    # read; rank 1 still waits for F1
-    second._stuck((0, "act", 1, 1), second_posted)
-    assert reports == ["deadlock: stage 0 waits for B0 from stage 1; stage 1 waits for F1 from stage 0"]
+    for how in ("read", "waits for its turn"):
+        store, reports, held = dist.HashStore(), [], {}
+        first, second = rank(0, store, reports, {}), rank(1, store, reports, held)
+        first._traffic[(0, "sent", 1)] = 1                         # an activation on its way to rank 1
+        posted = first._stuck((0, "grad", 0, 0), None)             # rank 0 waits for B0's gradient
+        second_posted = second._stuck((0, "act", 1, 1), None)      # rank 1 waits for F1: F0's still arriving
+        assert reports == [] and first._stuck((0, "grad", 0, 0), posted) == posted
+        if how == "read":                                          # read; rank 1 still waits for F1
+            second._traffic[(0, "received", 0)] = 1
+        else:
+            held[0] = 1
+        second._stuck((0, "act", 1, 1), second_posted)
+        assert reports == ["deadlock: stage 0 waits for B0 from stage 1; stage 1 waits for F1 from stage 0"], how
 
 
 def test_a_schedule_is_checked_on_its_models_own_costs_and_message_time():

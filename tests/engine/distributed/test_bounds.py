@@ -35,6 +35,10 @@ class FakeLane:
     def abandon(self, also):
         self.abandoned += 1
 
+    @staticmethod
+    def held(step):
+        return {}
+
 
 def transport(rank: int, size: int, store, step: int = 4) -> ProcessTransport:
     """A ProcessTransport of rank `rank` in a call `step`, over `store`, with no lane or group behind it."""
@@ -91,7 +95,7 @@ def lane_sending(works_in_flight: list) -> GlooLane:
     lane.rank, lane.tensor_groups = 0, {}
     lane._reap, lane._wakes, lane._closed, lane._abandoned, lane.error = threading.Condition(), 0, False, False, None
     lane._events = queue.SimpleQueue()
-    lane._in_flight = collections.deque([([], works_in_flight, (torch.empty(64, dtype=torch.uint8), []), 1)])
+    lane._in_flight = collections.deque([([], works_in_flight, [torch.empty(64, dtype=torch.uint8)], 1)])
     return lane
 
 
@@ -173,13 +177,13 @@ def test_making_an_nccl_communicator_that_blocks_ends_connect_at_its_bound(monke
     monkeypatch.setattr(torch, "zeros", lambda *shape, device=None: torch.empty(0))
     monkeypatch.setattr(gloo_lane, "abort_groups", lambda groups: [group.abort() for group in groups])
     gate, consulted = threading.Event(), []
-    edges = {("act", 0, 1): (BlockingEdge(gate), 1)}
+    edges = {1: (BlockingEdge(gate), 1)}
 
     def store_check():
         raise AssertionError("the Store was read while a set-up thread may hold its connection")
     start = time.monotonic()
-    with pytest.raises(StageFailed, match=r"making the NCCL edges' communicators \[\('act', 0, 1\)\] did not finish "
-                                          r"within 0.3 s"):
+    with pytest.raises(StageFailed, match=r"making the NCCL communicators with stages \[1\] did not finish within "
+                                          r"0.3 s"):
         gloo_lane.connect(edges, 0, torch.device("cuda", 0), store_check, lambda: consulted.append(1), within=0.3)
     gate.set()
     assert time.monotonic() - start < 2 and consulted

@@ -127,7 +127,7 @@ def test_a_failed_call_aborts_an_nccl_data_parallel_group_with_the_lanes_once_an
     aborted = []
     monkeypatch.setattr(gloo_lane, "abort_groups", aborted.append)
     lane = object.__new__(gloo_lane.GlooLane)
-    lane.tensor_groups, lane._abandoned, lane._wake_sender = {("act", 0, 1): ("edge", 1)}, False, lambda: None
+    lane.tensor_groups, lane._abandoned, lane._wake_sender = {1: ("edge", 1)}, False, lambda: None
     stage = object.__new__(replicas.Replicas)
     stage.group, stage.broken = "dp over NCCL", False
     stage.require_whole()

@@ -67,10 +67,10 @@ class _NcclGroup:
 def _lane_with_nccl_sends_in_flight():
     """A GlooLane's NCCL state as after posting a send that its failed neighbour will never match."""
     lane = GlooLane.__new__(GlooLane)
-    lane.rank, lane.tensor_groups = 0, {("act", 0, 1): (_NcclGroup(), 1)}
+    lane.rank, lane.tensor_groups = 0, {1: (_NcclGroup(), 1)}
     lane._reap, lane._wakes, lane._closed, lane._abandoned, lane.error = threading.Condition(), 0, False, False, None
     lane._events = queue.SimpleQueue()
-    lane._in_flight = collections.deque([([], [_NeverCompletes()], (torch.empty(64, dtype=torch.uint8), []), 1)])
+    lane._in_flight = collections.deque([([], [_NeverCompletes()], [torch.empty(64, dtype=torch.uint8)], 1)])
     return lane
 
 
@@ -103,7 +103,7 @@ def _unmatched_edges(monkeypatch) -> dict:
     monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
     monkeypatch.setattr(torch, "zeros", lambda *shape, device=None: torch.empty(0))
     monkeypatch.setattr(gloo_lane, "abort_groups", lambda groups: [group.abort() for group in groups])
-    return {("act", 0, 1): (_EdgeGroup(), 1), ("grad", 1, 0): (_EdgeGroup(), 1)}
+    return {1: (_EdgeGroup(), 1)}
 
 
 @pytest.mark.parametrize("told", [False, True], ids=["peer silent", "failure told in the store"])
@@ -122,7 +122,7 @@ def test_a_peer_dying_while_the_pipe_is_built_ends_connect_with_the_edges_named(
 
     start = time.monotonic()
     with pytest.raises(StageFailed, match="out of memory" if told else
-                       r"\('act', 0, 1\), \('grad', 1, 0\)\] not connected within 0.3 s.*has a peer died"):
+                       r"\[\(0, 1\), \(1, 0\)\] not connected within 0.3 s.*has a peer died"):
         gloo_lane.connect(edges, 0, torch.device("cuda", 0), check, within=0.3)
     assert time.monotonic() - start < 5
     assert all(group.aborted for group, _ in edges.values())
@@ -553,13 +553,20 @@ def test_nccl_groups_are_aborted_all_at_once_and_a_blocked_abort_holds_no_one():
     release.set()
 
 
+class _Stream(str):
+    """A fake CUDA stream, named by its device."""
+
+    def wait_event(self, event):
+        pass
+
+
 def _record_cuda_contexts(monkeypatch) -> list:
     """Fake CUDA streams and record the device and stream contexts entered, in order."""
     entered = []
 
     def recording(kind):
         return lambda what: entered.append((kind, what)) or contextlib.nullcontext()
-    monkeypatch.setattr(torch.cuda, "Stream", lambda device: f"stream on {device}")
+    monkeypatch.setattr(torch.cuda, "Stream", lambda device: _Stream(f"stream on {device}"))
     monkeypatch.setattr(torch.cuda, "device", recording("device"))
     monkeypatch.setattr(torch.cuda, "stream", recording("stream"))
     return entered
@@ -576,39 +583,48 @@ def test_a_stage_stream_is_entered_with_its_gpu_current(monkeypatch):
     assert entered == [("device", torch.device("cuda", 1)), ("stream", "stream on cuda:1")]
 
 
-def test_an_nccl_payload_is_received_as_soon_as_its_header_lands(monkeypatch):
-    """The listener posts a message's NCCL receives when its gloo header lands, not when the stage
-    next reads: the sender's NCCL send is matched at once (held until the stage read, it could wait
-    behind kernels of the other direction's communicator). The stage then gets those receives."""
+def test_an_nccl_payload_is_received_in_its_turn_as_soon_as_its_header_lands(monkeypatch):
+    """The listener posts a message's NCCL receives when its gloo header lands and its turn has come
+    (turns.py), not when the stage next reads: the sender's NCCL send is matched at once. The stage
+    then gets those receives; a receive whose turn has not come waits for the transfers before it."""
     from types import SimpleNamespace
 
     from engine.distributed import wire
+    from engine.distributed.turns import Transfer, Turns
     posted = []
 
     class Edge(_NcclGroup):
         def recv(self, tensors, peer, tag):
             posted.append((tensors[0].numel(), peer))  # bytes
             return _NeverCompletes()
+
+        send = recv
     entered = _record_cuda_contexts(monkeypatch)
+    monkeypatch.setattr(torch.cuda, "Event", lambda: SimpleNamespace(record=lambda stream: None))
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device: f"stage stream on {device}")
     empty = wire.empty_tensors   # the tensors on the host: this one has no GPU
     monkeypatch.setattr(wire, "empty_tensors", lambda header, home: empty(header, torch.device("cpu")))
+    monkeypatch.setattr(gloo_lane, "_on_gpu", lambda value, device: value)  # stands for tensors on a GPU
     lane = GlooLane.__new__(GlooLane)
-    lane.rank, lane.device, lane._receive_streams = 1, torch.device("cuda", 1), {}
-    lane.tensor_groups, lane._events = {("act", 0, 1): (Edge(), 0), ("grad", 1, 0): (Edge(), 1)}, queue.SimpleQueue()
+    lane.rank, lane.device, lane._streams, lane.turns = 1, torch.device("cuda", 1), {}, Turns(1)
+    lane.tensor_groups, lane._events, lane._in_flight = {0: (Edge(), 0)}, queue.SimpleQueue(), collections.deque()
+    lane.wire = SimpleNamespace(send=lambda tensors, peer, tag: _NeverCompletes())
+    lane.turns.expect(3, [Transfer(("grad", 4, 0), 1, 0), Transfer(("act", 5, 1), 0, 1)])
     frame, _ = wire.encode(3, "act", 5, 1, wire.NO_DECISION, torch.ones(4, 6), inline=False)
     reposted = []
     link = SimpleNamespace(peer=0, views=[frame.numpy()], repost=reposted.append)
-    early = lane._post_nccl_receives(link, 0)
-    assert posted == [(4 * 6 * 4, 0)], "posted by the listener, on the edge the header came from"
+    lane.turns.offer(3, ("act", 5, 1), "receive", lambda: lane._arrived(link, 0))  # as the listener does
+    assert posted == [] and lane._events.empty(), "its turn comes after stage 1's send of B4's gradient"
+    lane.post(0, 3, "grad", 4, 0, wire.NO_DECISION, torch.ones(3))
+    assert posted == [(3 * 4, 0), (4 * 6 * 4, 0)], "the send, then the receive, on the neighbour's group"
     # entered with its GPU current: a listener thread starts on cuda:0, where leaving the stream would open a context
-    assert entered == [("device", torch.device("cuda", 1)), ("stream", "stream on cuda:1")]
-    lane._events.put((link, 0, early))
+    assert entered[-2:] == [("device", torch.device("cuda", 1)), ("stream", "stream on cuda:1")]
     [arrival] = lane.receive(0.1)
-    assert posted == [(4 * 6 * 4, 0)] and reposted == [0], "the stage reads them; nothing posted twice"
+    assert len(posted) == 2 and reposted == [0], "the stage reads them; nothing posted twice"
     assert arrival.header.micro == 5 and arrival.tensors[0].shape == (4, 6) and len(arrival.ready) == 1
     inline, _ = wire.encode(3, "act", 6, 1, wire.NO_DECISION, torch.ones(2))
-    assert lane._post_nccl_receives(SimpleNamespace(peer=0, views=[inline.numpy()]), 0) is None  # in its frame
-    assert lane._post_nccl_receives(SimpleNamespace(peer=2, views=[frame.numpy()]), 0) is None   # no edge from 2
+    assert lane._receive_payload(SimpleNamespace(peer=0, views=[inline.numpy()]), 0) is None  # in its frame
+    assert lane._receive_payload(SimpleNamespace(peer=2, views=[frame.numpy()]), 0) is None   # no group with 2
 
 
 @pytest.mark.parametrize("dtype", [torch.int16, torch.complex64, torch.bool, torch.bfloat16])
@@ -629,20 +645,24 @@ def test_an_nccl_edge_carries_any_dtype_as_bytes(monkeypatch, dtype):
             assert tensors[0].dtype == torch.uint8
             tensors[0].copy_(wires.pop())
             return _NeverCompletes()
+    from engine.distributed.turns import Turns
     _record_cuda_contexts(monkeypatch)
+    monkeypatch.setattr(torch.cuda, "Event", lambda: SimpleNamespace(record=lambda stream: None))
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device: "the stage's stream")
     monkeypatch.setattr(gloo_lane, "_on_gpu", lambda value, device: value)  # stands for tensors on a GPU
     edge, frames = Edge(), []
     sender = _lane_with_nccl_sends_in_flight()
-    sender.device, sender.tensor_groups, sender._in_flight = torch.device("cpu"), {("act", 0, 1): (edge, 1)}, \
-        collections.deque()
+    sender.device, sender.tensor_groups, sender._in_flight = torch.device("cpu"), {1: (edge, 1)}, collections.deque()
+    sender._streams, sender.turns = {}, Turns(0)
+    sender.turns.expect(3, None)
     sender.wire = SimpleNamespace(send=lambda tensors, peer, tag: frames.append(tensors[0]) or _NeverCompletes())
     sent = (torch.arange(-3, 3).reshape(2, 3) * 7).to(dtype)
     sender.post(1, 3, "act", 5, 1, wire.NO_DECISION, sent)
     assert [t.dtype for t in wires] == [torch.uint8]
     receiver = GlooLane.__new__(GlooLane)
-    receiver.rank, receiver.device, receiver._receive_streams = 1, torch.device("cpu"), {}
-    receiver.tensor_groups = {("act", 0, 1): (edge, 0)}
-    [received], _ = receiver._post_nccl_receives(SimpleNamespace(peer=0, views=[frames[0].numpy()]), 0)
+    receiver.rank, receiver.device, receiver._streams = 1, torch.device("cpu"), {}
+    receiver.tensor_groups = {0: (edge, 0)}
+    [received], _ = receiver._receive_payload(SimpleNamespace(peer=0, views=[frames[0].numpy()]), 0)
     assert received.dtype == dtype and torch.equal(received, sent)
 
 

@@ -1,0 +1,105 @@
+"""One order for a call's transfers between ranks, which every rank computes alike and posts in.
+
+NCCL may hold a send until its receive is posted, and runs each communicator's operations in the
+order they were posted; two ranks that post their sends and receives in crossing orders (or whose
+communicators' kernels the GPU serializes in crossing orders) wait for each other for ever. So each
+rank posts the payload transfers it takes part in strictly in one order of all the call's
+transfers: the order in which the schedule's unit-cost timeline ends their sending tasks (ties by
+the sending rank). The earliest transfer not yet done is then, on both of its ranks, the next one
+posted, whatever the other transfers do, so it completes; and no rank waits to post a transfer that
+needs one posted after it, because a task's input always comes from a task that ended earlier in
+that timeline. Where torch.distributed.pipelining batches each step's sends and receives
+(batch_isend_irecv), this order serves any schedule, written ones included.
+"""
+from __future__ import annotations
+
+import threading
+from typing import Callable, NamedTuple, Optional
+
+from ..schedule import Schedule, Task, timeline
+
+Key = tuple  # (kind, micro, receiving chunk), as message_key names a task's input
+
+
+class Transfer(NamedTuple):
+    """One message between two ranks: under `key` from rank `sender` to rank `receiver`."""
+
+    key: Key
+    sender: int
+    receiver: int
+
+
+def transfer_order(schedule: list[list[Task]], placement: tuple) -> list[Transfer]:
+    """Every transfer between two ranks of a call running `schedule` (stage k on rank k, chunk c on
+    rank placement[c]), in the order of the unit-cost timeline's end of each sending task, ties by
+    sending rank then by its position in that rank's list."""
+    schedule = Schedule(schedule, placement)
+    times = timeline(schedule, lambda stage, task: 1.0)
+    last = len(placement) - 1
+    ordered = []
+    for rank, tasks in enumerate(schedule):
+        for position, task in enumerate(tasks):
+            if task.op == "F" and task.chunk < last:
+                key, to = ("act", task.micro, task.chunk + 1), task.chunk + 1
+            elif task.op == "B" and task.chunk > 0:
+                key, to = ("grad", task.micro, task.chunk - 1), task.chunk - 1
+            else:
+                continue
+            if placement[to] != rank:
+                ordered.append(((times[rank][position][1], rank, position), Transfer(key, rank, placement[to])))
+    return [transfer for _, transfer in sorted(ordered)]
+
+
+class Turns:
+    """This rank's transfers of the current call, each posted in its turn: `offer` hands over what
+    posting one does (a call that does not block), and whatever is offered runs once every earlier
+    transfer of this rank has, on the thread that offered the last one it waited for. The stage
+    thread offers sends, the listener threads receives; posting happens under one lock, in order."""
+
+    def __init__(self, rank: int):
+        self.rank = rank
+        self._lock = threading.Lock()
+        self._step, self._mine, self._next, self._left = -1, [], 0, set()
+        self._offered: dict = {}   # (step, key, "send" | "receive") -> (what posting it does, the peer)
+        self.posted: list = []     # (key, "send" | "receive") in the order posted, this call
+
+    def expect(self, step: int, order: Optional[list[Transfer]]) -> None:
+        """Call `step` runs with `order` (transfer_order; None: no order, each posts as offered); what
+        was offered for it already may post, and what earlier calls left (a failed one's) posts now."""
+        mine = [(t.key, "send" if t.sender == self.rank else "receive") for t in order or ()
+                if self.rank in (t.sender, t.receiver)]
+        with self._lock:
+            self._step, self._mine, self._next, self._left, self.posted = step, mine, 0, set(mine), []
+            for turn in [turn for turn in self._offered
+                         if turn[0] < step or (turn[0] == step and turn[1:] not in self._left)]:
+                self._offered.pop(turn)[0]()
+            self._post_in_turn()
+
+    def offer(self, step: int, key: Key, way: str, post: Callable[[], None], peer: int = -1) -> None:
+        """Post a transfer of call `step` under `key` ("send" or "receive") with rank `peer` in its
+        turn. What belongs to no turn of the call (an earlier call's, one that failed) posts at once."""
+        with self._lock:
+            if step < self._step or (step == self._step and (key, way) not in self._left):
+                post()
+                return
+            self._offered[(step, key, way)] = (post, peer)
+            if step == self._step:
+                self._post_in_turn()
+
+    def _post_in_turn(self) -> None:
+        """Post the offered transfers whose turn has come, in order (under the lock)."""
+        while self._next < len(self._mine) and (self._step, *self._mine[self._next]) in self._offered:
+            turn = self._mine[self._next]
+            self._left.discard(turn)
+            self.posted.append(turn)
+            self._next += 1
+            self._offered.pop((self._step, *turn))[0]()
+
+    def held(self, step: int) -> dict[int, int]:
+        """How many messages of call `step` each peer sent that landed here and wait for their turn."""
+        with self._lock:
+            held: dict[int, int] = {}
+            for (when, _, way), (_, peer) in self._offered.items():
+                if when == step and way == "receive":
+                    held[peer] = held.get(peer, 0) + 1
+            return held
