@@ -239,29 +239,36 @@ def climbed(sizing) -> str:
 LOSS_TOLERANCE = 1e-4  # relative, a few float32 Adam steps on different GPUs and streams
 
 
-def nccl_two_gpus() -> str:
-    """Two ranks of `lab.train --device cuda` under torchrun, one GPU each, against the same steps as
-    two stage threads: the pipeline's group must be NCCL and its lane carry payloads on NCCL (the
-    trace's lane "gloo+nccl"), NCCL must have made communicators (only the lane's payloads use NCCL:
-    NCCL_DEBUG=INFO says when it makes one), messages must have crossed, and the losses must agree."""
-    train = ["-m", "lab.train", "--steps", "3", "--log-every", "1", "--device", "cuda"]
-    with tempfile.TemporaryDirectory() as folder:
-        reference, ranks = Path(folder) / "threads.json", Path(folder) / "nccl.json"
-        subprocesses.run_module([*train, "--stages", "2", "--trace-out", str(reference)], timeout=ROW_SECONDS / 2 - 5)
-        out = subprocesses.run_module(["-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2",
-                                       "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}", *train,
-                                       "--trace-out", str(ranks)],
-                                      timeout=ROW_SECONDS / 2 - 5, env=subprocesses.NCCL_ON_LOOPBACK)
-        expected, got = (json.loads(path.read_text()) for path in (reference, ranks))
-    communicators = out.count("Init COMPLETE")
-    assert got["backend"] == "nccl", f"the pipeline's group is {got['backend']}, not NCCL"
-    assert "nccl" in got["lane"], f"the pipe's lane is {got['lane']!r}: payloads went through host memory"
-    assert communicators, "NCCL made no communicator: the payloads did not go over NCCL"
-    assert got["messages"], "no message crossed between the ranks"
-    apart = max(abs(a - b) / abs(b) for a, b in zip(got["losses"], expected["losses"]))
-    assert apart <= LOSS_TOLERANCE, f"losses {got['losses']} over NCCL, {expected['losses']} as threads"
-    return (f"torchrun, 2 ranks, one GPU each: group {got['backend']}, lane {got['lane']}, {communicators} NCCL "
-            f"communicator(s) made, {len(got['messages'])} messages; losses within {apart:.0e} of two stage threads")
+def over_nccl(schedule: str = "gpipe", device: str = "cuda") -> Check:
+    """Two ranks of `lab.train --device DEVICE --schedule SCHEDULE` under torchrun, one GPU each,
+    against the same steps as two stage threads: on GPUs the pipeline's group must be NCCL and its
+    lane carry payloads on NCCL (the trace's lane "gloo+nccl"), and NCCL must have made communicators
+    (only the lane's payloads use NCCL: NCCL_DEBUG=INFO says when it makes one); everywhere messages
+    must have crossed and the losses agree. On CPUs the same runs over gloo (how it is tested here)."""
+    def check() -> str:
+        train = ["-m", "lab.train", "--steps", "3", "--log-every", "1", "--device", device, "--schedule", schedule]
+        with tempfile.TemporaryDirectory() as folder:
+            reference, ranks = Path(folder) / "threads.json", Path(folder) / "ranks.json"
+            subprocesses.run_module([*train, "--stages", "2", "--trace-out", str(reference)],
+                                    timeout=ROW_SECONDS / 2 - 5)
+            out = subprocesses.run_module(["-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2",
+                                           "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}",
+                                           *train, "--trace-out", str(ranks)],
+                                          timeout=ROW_SECONDS / 2 - 5, env=subprocesses.NCCL_ON_LOOPBACK)
+            expected, got = (json.loads(path.read_text()) for path in (reference, ranks))
+        communicators = out.count("Init COMPLETE")
+        if device == "cuda":
+            assert got["backend"] == "nccl", f"the pipeline's group is {got['backend']}, not NCCL"
+            assert "nccl" in got["lane"], f"the pipe's lane is {got['lane']!r}: payloads went through host memory"
+            assert communicators, "NCCL made no communicator: the payloads did not go over NCCL"
+        assert got["messages"], "no message crossed between the ranks"
+        apart = max(abs(a - b) / abs(b) for a, b in zip(got["losses"], expected["losses"]))
+        assert apart <= LOSS_TOLERANCE, f"{schedule}: losses {got['losses']} over {got['lane']}, " \
+                                        f"{expected['losses']} as threads"
+        return (f"torchrun, 2 ranks, {schedule}: group {got['backend']}, lane {got['lane']}, {communicators} NCCL "
+                f"communicator(s) made, {len(got['messages'])} messages; losses within {apart:.0e} of two stage "
+                "threads")
+    return check
 
 
 def reproduce_on_cuda() -> str:
@@ -291,7 +298,9 @@ GPU_ROWS: dict[str, Check] = {"one GPU: K=1, 2, 3": every_k_on_one("cuda:0"),
                               "Table 2 sized for the GPU": gpu_sets_the_pace}
 
 
-TWO_GPU_ROWS: dict[str, Check] = {"NCCL, 2 GPUs": nccl_two_gpus}
+TWO_GPU_ROWS: dict[str, Check] = {"NCCL, 2 GPUs": over_nccl("gpipe")}
+# `python -m lab.doctor --every-schedule-over-nccl`: each built-in schedule's own NCCL row (about 3 minutes)
+SCHEDULE_ROWS: dict[str, Check] = {f"NCCL, {name}": over_nccl(name) for name in SCHEDULES}
 
 
 class Failed(Exception):
@@ -368,12 +377,22 @@ def format_row(row: Row) -> str:
 
 def run_row(name: str) -> int:
     """Run one check here and print its row as JSON, the last line (`isolated` reads it)."""
-    checks = {**CPU_ROWS, **GPU_ROWS, **TWO_GPU_ROWS}
+    checks = {**CPU_ROWS, **GPU_ROWS, **TWO_GPU_ROWS, **SCHEDULE_ROWS}
     if name not in checks:
         print(f"python -m lab.doctor: error: no check named {name!r}", file=sys.stderr)
         return 2
     print(json.dumps(asdict(run_checks([(name, checks[name])])[0])), flush=True)
     return 0
+
+
+def every_schedule_over_nccl() -> int:
+    """Each built-in schedule's NCCL row, printed as it ends; exit status 1 if one fails (2 GPUs needed)."""
+    if not torch.cuda.is_available() or torch.cuda.device_count() < 2:
+        print("python -m lab.doctor: error: --every-schedule-over-nccl needs 2 GPUs or more, this host has "
+              f"{torch.cuda.device_count() if torch.cuda.is_available() else 0}", file=sys.stderr)
+        return 2
+    rows = run_checks(list(SCHEDULE_ROWS.items()), on_row=lambda row: print(format_row(row), flush=True))
+    return 0 if all(row.passed for row in rows) else 1
 
 
 def main(argv=None) -> int:
@@ -382,10 +401,14 @@ def main(argv=None) -> int:
     options.add_argument("--no-cli", action="store_true", help="leave out lab.reproduce --device cuda --quick")
     options.add_argument("--report", action="store_true", help="also run the GPU parts and write one markdown file")
     options.add_argument("--out", default="gpu-report.md", help="the report's file (default gpu-report.md)")
+    options.add_argument("--every-schedule-over-nccl", action="store_true",
+                         help="only the NCCL row, once per built-in schedule (2 GPUs or more)")
     options.add_argument("--row", help=argparse.SUPPRESS)  # one check, in this process, as JSON (see isolated)
     args = options.parse_args(argv)
     if args.row:
         return run_row(args.row)
+    if args.every_schedule_over_nccl:
+        return every_schedule_over_nccl()
     with sizing_kept():
         return run_doctor(args)
 

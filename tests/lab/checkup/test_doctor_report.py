@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from engine.schedule import SCHEDULES
 from lab import doctor
 from lab.checkup import report, subprocesses
 
@@ -129,13 +130,13 @@ def fake_train_runs(monkeypatch, lane="gloo+nccl", communicators=4, drift=0.0):
 
 def test_the_nccl_row_wants_nccl_to_have_carried_the_payloads_and_equal_losses(monkeypatch):
     fake_train_runs(monkeypatch)
-    assert "lane gloo+nccl, 4 NCCL communicator(s) made, 6 messages" in doctor.nccl_two_gpus()
+    assert "lane gloo+nccl, 4 NCCL communicator(s) made, 6 messages" in doctor.over_nccl()()
     for change, words in (({"lane": "gloo"}, "payloads went through host memory"),
                           ({"communicators": 0}, "NCCL made no communicator"),
-                          ({"drift": 1e-3}, "over NCCL")):
+                          ({"drift": 1e-3}, "over gloo+nccl")):
         fake_train_runs(monkeypatch, **change)
         try:
-            doctor.nccl_two_gpus()
+            doctor.over_nccl()()
         except AssertionError as error:
             assert words in str(error), (change, error)
         else:
@@ -151,10 +152,25 @@ def test_the_nccl_row_stays_on_loopback_and_within_its_rows_time(monkeypatch):
     fake = subprocesses.run_module
     monkeypatch.setattr(subprocesses, "run_module", lambda args, timeout, env=None: seen.append((timeout, env)) or
                         fake(args, timeout, env))
-    doctor.nccl_two_gpus()
+    doctor.over_nccl()()
     assert sum(timeout for timeout, _ in seen) <= doctor.ROW_SECONDS
     assert seen[1][1]["NCCL_SOCKET_IFNAME"] == seen[1][1]["GLOO_SOCKET_IFNAME"] == loopback_interface()
     assert "NCCL, 2 GPUs" in doctor.TWO_GPU_ROWS  # run by `isolated`, under the report's deadline
+
+
+@pytest.mark.timeout(120)
+def test_the_check_of_a_schedule_over_nccl_runs_for_real_over_gloo_here():
+    """What `--every-schedule-over-nccl` runs per schedule, on this host's CPU: the same two lab.train
+    runs, compared; and on a host without two GPUs the command says why it cannot run."""
+    said = doctor.over_nccl("interleaved", device="cpu")()
+    assert said.startswith("torchrun, 2 ranks, interleaved: group gloo, lane ") and "of two stage threads" in said
+    assert set(doctor.SCHEDULE_ROWS) == {f"NCCL, {name}" for name in SCHEDULES}
+
+
+def test_every_schedule_over_nccl_needs_two_gpus(capsys, monkeypatch):
+    monkeypatch.setattr(doctor.torch.cuda, "is_available", lambda: False)
+    assert doctor.main(["--every-schedule-over-nccl"]) == 2
+    assert "needs 2 GPUs or more, this host has 0" in capsys.readouterr().err
 
 
 def test_the_gpu_tests_run_in_one_process(tmp_path):
