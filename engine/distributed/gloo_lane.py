@@ -2,11 +2,11 @@
 on several hosts and for stages on GPUs.
 
 Each rank keeps a few receives posted per neighbour, and a small message lands in one whole (header
-and payload in one frame). A listener thread per neighbour only signals "frame arrived"; the stage
-thread decodes it (a listener that decoded traded the interpreter lock with the stage at every
-tensor op). A sender thread completes sends and frees their buffers, so a stage never blocks on a
-neighbour. The lane's groups are its own, with one-year timeouts: its traffic never mixes with the
-user's and an idle pipe never times out.
+and payload in one frame). A listener thread per neighbour reads only a frame's first words and
+signals "frame arrived"; the stage thread decodes it (a listener that decoded traded the interpreter
+lock with the stage at every tensor op). A sender thread completes sends and frees their buffers, so
+a stage never blocks on a neighbour. The lane's groups are its own, so its traffic never mixes with
+the user's; each wait on them passes its own timeout, so an idle pipe never times out.
 
 Between GPUs, payloads travel on one two-rank NCCL group per neighbour, both ways, and each rank
 posts its transfers in the call's one order (turns.py), from a stream per neighbour that waits only
