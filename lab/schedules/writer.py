@@ -167,8 +167,35 @@ def examine(text: str, micro_batches: int, checkpoint: str) -> Verdict:
         schedule = parse(text)
         report = schedules.check(schedule, micro_batches, checkpoint)
     except ValueError as error:
-        return Verdict(None, None, f"✗ {error}")
+        return Verdict(None, None, f"✗ {error}{where_in(text, str(error))}{torch_malformed(text, micro_batches)}")
     return Verdict(schedule, report, f"✓ legal: {describe(report)}")
+
+
+def where_in(text: str, problem: str) -> str:
+    """" (line 3)": the line of `text` holding the stage a `problem` ("stage 2 runs F9: ...") names,
+    as `in_stage_order` reads the lines (by their labels where every stage line has one)."""
+    named = re.match(r"stage (\d+) ", problem)
+    if named is None:
+        return ""
+    stage = int(named[1])
+    cleaned = [(number, line.split("#")[0].strip()) for number, line in enumerate(text.splitlines(), 1)]
+    rows = [(number, line) for number, line in cleaned if line and not line.lower().startswith("placement")]
+    labels = {int(m[1]): number for number, line in rows if (m := re.match(r"stage\s*(\d+)\s*:", line, re.I))}
+    line = labels.get(stage) if len(labels) == len(rows) else (rows[stage][0] if stage < len(rows) else None)
+    return "" if line is None else f" (line {line})"
+
+
+def torch_malformed(text: str, micro_batches: int) -> str:
+    """Where `text` is in torch.distributed.pipelining's actions and a rank's forwards are numbered 1
+    to M, one past the M micro-batches (Schedule1F1B's last rank, as torch 2.13 writes its order),
+    what that is and how to get a correct order; else ""."""
+    for line in text.splitlines():
+        forwards = sorted(int(m[1]) for m in re.finditer(r"(?<![\w@])\d+F(\d+)", line))
+        if forwards and forwards == list(range(1, micro_batches + 1)):
+            return (f". This is torch.distributed.pipelining's own order, malformed as torch writes it: a rank's "
+                    f"forwards are numbered 1 to {micro_batches}, one too high (Schedule1F1B's last rank, torch "
+                    f"2.13); renumber them from 0, or take the lab's 1F1B ('1f1b' preset, or format(..., torch=True))")
+    return ""
 
 
 def laid_out(schedule: Schedule, duration, label: str, unit: str, latency: float = 0.0) -> Timeline:

@@ -421,6 +421,19 @@ def test_a_schedule_is_checked_on_its_models_own_costs_and_message_time():
     assert replay.makespan == pytest.approx(9.0)
 
 
+def test_torchs_own_malformed_1f1b_order_is_said_to_be_torchs_with_its_line():
+    """torch 2.13's Schedule1F1B numbers its last rank's forwards 1 to M: the verdict names the line
+    and task that break it, says the text came malformed from torch, and how to get a correct one."""
+    from lab.schedules import writer as schedule_writer
+    text = "0F0,0F1,0B0,0F2,0B1,0F3,0B2,0B3,0REDUCE_GRAD\n1F1,1B0,1F2,1B1,1F3,1B2,1F4,1B3,1REDUCE_GRAD"
+    line = schedule_writer.examine(text, 4, "never").line
+    assert line.startswith("✗ stage 1 runs F4: expected F, R, B or W, and a micro-batch 0..3 (line 2). This is "
+                           "torch.distributed.pipelining's own order, malformed as torch writes it"), line
+    renumbered = "\n".join([text.splitlines()[0], "1F0,1B0,1F1,1B1,1F2,1B2,1F3,1B3,1REDUCE_GRAD"])
+    assert schedule_writer.examine(renumbered, 4, "never").legal
+    assert "torch" not in schedule_writer.examine("F1 B0\nF0 B0", 1, "never").line  # the lab's own text
+
+
 def test_the_writers_verdicts_predictions_and_guards():
     from lab.schedules import writer as schedule_writer
     text = schedule_writer.preset("zb-v", 2, 2, "never")
@@ -429,7 +442,8 @@ def test_the_writers_verdicts_predictions_and_guards():
     assert verdict.legal and verdict.line == ("✓ legal: makespan 6.5 units, bubble 8%, "
                                               "at most 2 micro-batches held on a stage")
     assert schedule_writer.examine(format(zb_v(2, 2, "never"), torch=True), 2, "never").line == verdict.line
-    assert schedule_writer.examine("F0 B0\nF0", 1, "never").line == "✗ stage 1 never runs B0"
+    assert schedule_writer.examine("F0 B0\nF0", 1, "never").line == "✗ stage 1 never runs B0 (line 2)"
+    assert schedule_writer.examine("# two stages\nstage 1: F0\nstage 0: F0 B0", 1, "never").line.endswith("(line 2)")
     theory = schedule_writer.unit_cost(verdict.schedule)
     assert theory.makespan == 6.5 and theory.bubble == pytest.approx(verdict.report.bubble)
     events = [{"stage": k, "op": op, "start": 0.0, "end": seconds} for k in (0, 1)
