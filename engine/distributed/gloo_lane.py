@@ -8,13 +8,11 @@ lock with the stage at every tensor op). A sender thread completes sends and fre
 a stage never blocks on a neighbour. The lane's groups are its own, so its traffic never mixes with
 the user's; each wait on them passes its own timeout, so an idle pipe never times out.
 
-Between GPUs, payloads travel on one two-rank NCCL group per neighbour, both ways, and each rank
-posts its transfers in the call's one order (turns.py), from a stream per neighbour that waits only
-for the stage's work producing a send. On every gloo lane the receives of activations and
-gradients reach the stage thread in that order too, so the CPU runs the same turns. A failed call
-aborts the NCCL groups (a send to a neighbour that stopped reading would never match, and a stream
-waiting on it would never be free); a later call then raises StageFailed. Making the lane (groups,
-NCCL's communicators) and every transfer have bounds (works.py).
+Between GPUs, payloads travel on one two-rank NCCL group per neighbour, both ways, posted in the
+call's one order (turns.py) from a stream per neighbour; on gloo the receives reach the stage in
+that order too, so the CPU runs the same turns. A failed call aborts the NCCL groups (a send to a
+neighbour that stopped reading would never match); a later call then raises StageFailed. Making
+the lane and every transfer have bounds (works.py).
 """
 from __future__ import annotations
 
@@ -205,11 +203,10 @@ class GlooLane:
         return [Arrival(link.peer, header, tensors, ready, start, time.perf_counter())]
 
     def _receive_payload(self, link: _Link, slot: int) -> Optional[tuple[list, list]]:
-        """In its turn, on the listener thread that took it: if a message's payload follows over NCCL,
-        post its receives (tensors of the announced shapes, and the works) from the neighbour's
-        stream, which waits for nothing the stage queued; else None (the stage reads the payload
-        from the frame, or after it over gloo). An error (a malformed header, an aborted group) is
-        returned for the stage thread to raise."""
+        """In its turn: if a message's payload follows over NCCL, post its receives (tensors of the
+        announced shapes, and the works) from the neighbour's stream, which waits for nothing the
+        stage queued; else None (the stage reads it from the frame, or over gloo). An error (a
+        malformed header, an aborted group) is returned for the stage thread to raise."""
         edge = self.tensor_groups.get(link.peer)
         if edge is None:
             return None
@@ -451,13 +448,11 @@ def connect(edges: dict, rank: int, device: torch.device, check=lambda: None, lo
             within: Optional[float] = None) -> None:
     """Connect every NCCL group with a neighbour (`edges`, as edge_groups gives them) now, one element
     each way, in one order for all ranks (by pair, the lower rank's send first): NCCL connects on first
-    use, and a peer that died then would block a stage where no abort reaches it. The probes are
-    posted on a thread given up on (a group's first use makes its communicator, blocking, and may
-    hold this process's connection to the Store meanwhile: only `lost`, which reads no Store, is
-    called then), and the host polls them, calling `check` meanwhile (a device-wide synchronize would
-    wait forever for a peer that died while the pipe was built); probes not done within `within`
-    seconds (the set-up bound), or a failed one, raise StageFailed naming the edges. However it
-    ends early, the groups are aborted first."""
+    use, where a dead peer would block a stage out of an abort's reach. The probes are posted on a
+    thread given up on (a group's first use makes its communicator, blocking, maybe holding this
+    process's Store connection: only `lost`, which reads no Store, is called then); the host polls
+    them, calling `check`. Probes not done within `within` seconds (the set-up bound), or a failed
+    one, raise StageFailed naming the edges; however it ends early, the groups are aborted first."""
     if not edges:  # no NCCL on this lane
         return
     within = setup_bound() if within is None else within

@@ -292,11 +292,10 @@ class ProcessTransport:
         return value
 
     def _landed(self, works: list, sender: int, key, value) -> None:
-        """Return once the NCCL receives `works` of `value` (filed under `key`) from rank `sender` are
-        done, looking for failures while the host waits. A wait past STUCK_SECONDS is posted for the
-        deadlock detector as a payload pending; past its transfer bound the call fails here, with
-        what every rank waits for. StageFailed naming the sender if one ended in an error (a
-        completed work may have failed: wait() would not say so on the host)."""
+        """Return once the NCCL receives `works` of `value` (under `key`) from rank `sender` are done,
+        looking for failures meanwhile; a wait past STUCK_SECONDS is posted as a payload pending, and
+        past its transfer bound the call fails here. StageFailed naming the sender if one ended in an
+        error (a completed work may have failed: wait() would not say so on the host)."""
         since, posted = time.monotonic(), None
 
         def waiting() -> None:
@@ -430,12 +429,11 @@ class ProcessTransport:
 
     def _stuck(self, key, posted: Optional[str], pending: bool = False) -> str:
         """Post that this rank has waited STUCK_SECONDS for `key` (its header, or with `pending` its
-        payload, which NCCL is still moving), with the messages it has sent to and read from each rank
-        in this call (again whenever those change). When every rank of the pipe waits for a header and
-        every message sent was read (none is still on its way, as a large payload on a slow link can be
-        for seconds), none can send what another waits for: a deadlock. Fail the call, naming each
-        rank's wait. A pending payload is bounded by its transfer's bound instead (`_landed`). Returns
-        what this rank posted."""
+        payload, still moving), with the messages it has sent to and read from each rank in this call
+        (again whenever those change). When every rank waits for a header and every message sent was
+        read (none is still on its way, as a large payload on a slow link can be for seconds), none
+        can send what another waits for: a deadlock; fail the call, naming each rank's wait (a pending
+        payload has its transfer bound instead). Returns what this rank posted."""
         step, held = key[0], self.lane.held(key[0])  # a message waiting for its turn here has been read
         peers = range(self.ranks.size)
         counts = [[self._traffic[(step, "sent", peer)] for peer in peers],

@@ -1,15 +1,10 @@
-"""One order for a call's transfers between ranks, which every rank computes alike and posts in.
+"""One order for a call's transfers, which every rank computes alike and posts its own in.
 
-NCCL may hold a send until its receive is posted, and runs each communicator's operations in the
-order they were posted; two ranks that post their sends and receives in crossing orders (or whose
-communicators' kernels the GPU serializes in crossing orders) wait for each other for ever. So each
-rank posts the payload transfers it takes part in strictly in one order of all the call's
-transfers: the order in which the schedule's unit-cost timeline ends their sending tasks (ties by
-the sending rank). The earliest transfer not yet done is then, on both of its ranks, the next one
-posted, whatever the other transfers do, so it completes; and no rank waits to post a transfer that
-needs one posted after it, because a task's input always comes from a task that ended earlier in
-that timeline. Where torch.distributed.pipelining batches each step's sends and receives
-(batch_isend_irecv), this order serves any schedule, written ones included.
+NCCL may hold a send until its receive is posted and runs a communicator's operations in posting
+order, so ranks posting in crossing orders wait for each other for ever. The order: by when the
+schedule's unit-cost timeline ends each sending task, ties by sending rank. The earliest transfer
+not yet done is then next on both its ranks, so it completes; and no rank waits to post one that
+needs a later one, since a task's input comes from a task that ended earlier (docs/processes.md).
 """
 from __future__ import annotations
 
@@ -52,9 +47,8 @@ def transfer_order(schedule: list[list[Task]], placement: tuple) -> list[Transfe
 
 class Turns:
     """This rank's transfers of the current call, each posted in its turn: `offer` hands over what
-    posting one does (a call that does not block), and whatever is offered runs once every earlier
-    transfer of this rank has, on the thread that offered the last one it waited for. The stage
-    thread offers sends, the listener threads receives; posting happens under one lock, in order."""
+    posting one does (a call that does not block), run under one lock once every earlier transfer of
+    this rank has posted, by whichever thread (stage or listener) offered the last one it waited for."""
 
     def __init__(self, rank: int):
         self.rank = rank

@@ -1,9 +1,8 @@
 """Waiting on the host, always with a bound: for torch.distributed works, Store keys and set-ups.
 
-NCCL's `work.wait()` returns at once (it only makes a stream wait), and a gloo collective's blocks
-blind; polling `is_completed()` serves both. Not for gloo's point-to-point works, whose
-`is_completed()` stays False: those are waited with gloo's own timeout (which closes the pair).
-Every bound is listed in docs/processes.md ("Every wait has a bound").
+NCCL's `work.wait()` returns at once, and a gloo collective's blocks blind; polling `is_completed()`
+serves both, but not gloo's point-to-point works (it stays False): those wait with gloo's own
+timeout, which closes the pair. docs/processes.md lists every bound.
 """
 from __future__ import annotations
 
@@ -84,10 +83,9 @@ def until_completed(works: list, check: Callable[[], None] = lambda: None, every
 
 def finished_within(seconds: float, what: str, work: Callable[[], Result], check: Callable[[], None] = lambda: None,
                     every: float = 0.05) -> Result:
-    """`work()`'s result, run on a thread of its own that the caller can give up on: a set-up that
-    blocks (a gloo group meeting its ranks, NCCL making a communicator) has no bound of its own
-    short of its group's timeout. `check` is called every `every` seconds; past `seconds`,
-    StageFailed naming `what` (the thread is left behind, a daemon)."""
+    """`work()`'s result, run on a daemon thread the caller can give up on (NCCL making a communicator
+    has no bound short of its group's timeout), calling `check` every `every` seconds; past
+    `seconds`, StageFailed naming `what`."""
     done, box = threading.Event(), {}
 
     def run() -> None:
