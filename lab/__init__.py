@@ -14,11 +14,11 @@ framework. Its parts, bottom layer first; a module imports only from layers belo
  7. studies/      the paper's tables and what surrounds them; engine_time/, the engine's own costs
  8. views/        figures and tables; lessons/, the notebooks' checks; checkup/, the doctor's parts;
                   yours/, your own model's exactness, memory and plan
- 9. the commands: bench.py, reproduce.py, doctor.py, train.py, check.py (`python -m lab.<command>`)
+ 9. the commands: bench.py, reproduce.py, doctor.py, train.py, check.py, grade.py (`python -m lab.<command>`)
 
 Each package opens with its own reading map. docs/layout.md lists every module in this order.
 """
 
 LAYERS = (("machine",), ("zoo", "theory"), ("config",), ("processes",), ("runs",), ("timelines",), ("schedules",),
           ("studies", "engine_time"), ("views", "lessons", "checkup", "yours"),
-          ("bench", "reproduce", "doctor", "train", "check"))
+          ("bench", "reproduce", "doctor", "train", "check", "grade"))

@@ -10,4 +10,5 @@ Reading map:
 6. `cuts.py`       the best cut: the paper's least variance beside the least maximum and a greedy fill
 7. `plans.py`      the first pipe, the capstone's plan, the layout of workers
 8. `written.py`    schedules written by hand (notebook 12)
+9. `grading.py`    a learner's copy run top to bottom, each exercise read off its check (lab.grade)
 """
