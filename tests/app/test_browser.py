@@ -359,7 +359,7 @@ def test_every_section_button_and_a_written_schedule_leave_a_clean_terminal(serv
     start_from.click()
     page.get_by_role("option", name="zb-v").click()
     text_shown(page, "✓ legal: makespan")
-    assert box.input_value().startswith("placement: V\nstage 0: F0@0")
+    expect(box).to_have_value(re.compile(r"^placement: V\nstage 0: F0@0"), timeout=30_000)  # as React redraws it
     assert box.evaluate("b => b.scrollHeight <= b.clientHeight"), "the box shows every wrapped line of the text"
     page.get_by_role("button", name="run it").click()
     page.wait_for_function(WRITER_RAN, timeout=120_000, polling=500)

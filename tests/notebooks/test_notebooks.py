@@ -86,6 +86,9 @@ def test_committed_without_outputs_and_shaped_as_a_lesson(path):
             answer = next((c for c in cells[i + 1:] if tagged(c, "answer")), None)
             assert answer is not None and "<details>" in answer.source and "```python" in answer.source
             assert "check_" in cells[cells.index(answer) + 1].source, "a check cell follows every answer"
+            hint = cells[cells.index(answer) - 1]  # first a hint, which points the way without the answer
+            assert tagged(hint, "hint") and hint.source.startswith("<details><summary>Show a hint</summary>")
+            assert "```" not in hint.source, "a hint holds no code"
 
 
 def test_most_notebooks_are_labs():
