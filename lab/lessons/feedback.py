@@ -15,6 +15,7 @@ SAYS = {
     "constant": "your function returns the same value whatever its arguments: the answer depends on them",
     "too long": "does every loop move on (past each item it looks at), and end? does it wait for something "
                 "that never comes?",
+    "endless": "does your generator end? return a list of what it yields",
     "integer division": "rounding down (// or int()) drops the fraction: use / and keep it",
     "rounded": "that is the answer rounded: return it exact (the notebook rounds only what it prints)",
     "percent": "that is a percentage; expected a fraction between 0 and 1 (drop the x 100)",

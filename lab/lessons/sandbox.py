@@ -5,9 +5,11 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import io
+import itertools
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from typing import Callable, Optional
 
 from lab.lessons.feedback import SAYS, Feedback, NotAttempted, attempted
@@ -23,12 +25,15 @@ def called(fn: Callable, *args, returns: bool = True, within: Callable = context
     printed = _Printed(sys.stdout)
     try:
         with contextlib.redirect_stdout(printed):
-            result = _bounded(fn, args, within)
+            result = _bounded(lambda *given: _eager(fn(*given)), args, within)
     except KeyboardInterrupt:
         raise
     except _TookTooLong:
         raise Feedback(f"{call_text(fn, args)} did not return within {CALL_SECONDS:g} s of computing (or "
                        f"{WAIT_SECONDS:g} s in all): {SAYS['too long']}") from None
+    except _Endless:
+        raise Feedback(f"{call_text(fn, args)} returned an iterator of more than {MOST_ITEMS:,} items: "
+                       f"{SAYS['endless']}") from None
     except BaseException as error:  # SystemExit, GeneratorExit...: whatever the learner's code raised
         raise Feedback(f"{call_text(fn, args)} raised {type(error).__name__}: {error}. {SAYS['raised']}") from None
     if returns and result is None and printed.wrote:
@@ -56,6 +61,23 @@ class _Printed(io.TextIOBase):
 
 CALL_SECONDS = 5.0    # CPU seconds a learner's function may run before it is stopped and told so
 WAIT_SECONDS = 20.0   # and seconds it may take in all (a loop that sleeps, a lock that never comes)
+MOST_ITEMS = 100_000  # items a returned iterator may yield before it is taken for one that never ends
+
+
+class _Endless(Exception):
+    """A learner's function returned an iterator longer than MOST_ITEMS (an endless generator)."""
+
+
+def _eager(value, depth: int = 2):
+    """`value` with its iterators (a generator, map, zip), and those in a list it is, made lists while
+    the bound still holds: a check that lists a lazy result later would wait on it unbounded."""
+    if depth == 0:
+        return value
+    if isinstance(value, Iterator):
+        value = list(itertools.islice(value, MOST_ITEMS + 1))
+        if len(value) > MOST_ITEMS:
+            raise _Endless
+    return type(value)(_eager(item, depth - 1) for item in value) if type(value) in (list, tuple) else value
 
 
 class _TookTooLong(BaseException):

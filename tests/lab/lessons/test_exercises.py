@@ -3,6 +3,7 @@ torch), reject every mutation of the reference answers with the sentence of its 
 and never raise, whatever they are given."""
 import decimal
 import fractions
+import itertools
 import subprocess
 import sys
 import threading
@@ -358,6 +359,8 @@ MUTANTS = [
     (exercises.check_best_cut, lambda costs, k: [len(costs) // k] * (k - 1) +
                                                 [len(costs) - (k - 1) * (len(costs) // k)], "equal counts"),
     (exercises.check_bubble, never_returns, "too long"),
+    (exercises.check_best_cut, lambda costs, k: itertools.count(1), "endless"),  # read within the bound, not after
+    (exercises.check_fill_drain, lambda k, m: [itertools.cycle(["F0"]) for _ in range(k)], "endless"),
 ]
 FORMULA_CHECKS = (exercises.check_training_bytes, exercises.check_naive_bubble, exercises.check_bubble,
                   exercises.check_ideal_speedup, exercises.check_in_flight, exercises.check_boundary_bytes,
@@ -471,6 +474,15 @@ def test_right_answers_in_other_shapes_pass():
     ids=["Decimal", "float16", "bfloat16", "numpy float16", "1x1 tensor"])
 def test_a_number_in_any_precision_is_judged_to_its_own_precision(right):
     assert exercises.check_bubble(right).startswith("✓")
+
+
+def test_lazy_answers_are_read_as_the_lists_they_yield():
+    """A generator, a map or a tuple of them is a right answer where its items are: the check reads
+    it inside the learner's bound (tests above: an endless one is told so, not waited on)."""
+    right = REFERENCES[exercises.check_fill_drain]
+    assert exercises.check_fill_drain(lambda k, m: (iter(stage) for stage in right(k, m))).startswith("✓")
+    assert exercises.check_fill_drain(lambda k, m: tuple(map(iter, right(k, m)))).startswith("✓")
+    assert exercises.check_best_cut(lambda costs, k: iter(solve(costs, k))).startswith("✓")
 
 
 def test_a_function_that_does_not_return_is_stopped_and_told_so(monkeypatch):
