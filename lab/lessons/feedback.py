@@ -107,6 +107,9 @@ SAYS = {
                     "gradients are not the forward's: the recompute must replay the forward's random state "
                     "(checkpoint's preserve_rng_state=True, the default; by hand, torch.get_rng_state() before "
                     "the forward and torch.set_rng_state() before the recompute)",
+    "reentrant on data": "on a stage whose input is data (it requires no grad, as the first stage's), your stage "
+                         "gave the weights no gradient: the reentrant checkpoint (use_reentrant=True) "
+                         "differentiates only through inputs that require grad; use use_reentrant=False",
     "frozen block": "the block's weights were frozen (requires_grad False), so they get no gradient: leave the block "
                     "as it is; checkpointing changes what is kept, not what is trained",
     # gradient accumulation

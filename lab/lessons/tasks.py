@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import math
 import re
+import warnings
 from collections.abc import Iterable, Mapping
 from typing import Callable, Sequence
 
@@ -117,6 +118,8 @@ def check_checkpointed_stage(fn: Callable[[nn.Module, torch.Tensor], torch.Tenso
         raise Feedback(SAYS["different gradients"])
     if not _replays_random_numbers(fn):
         raise Feedback(SAYS["random state"])
+    if not _trains_on_data(fn):
+        raise Feedback(SAYS["reentrant on data"])
     engine_grads, engine_peak = _engine_recompute(block, x.detach())
     if not all(torch.allclose(g, w, atol=1e-6) for g, w in zip(got, engine_grads)):
         raise Feedback("the gradients differ from the engine's checkpoint='always' on the same block")
@@ -137,6 +140,24 @@ def _replays_random_numbers(fn: Callable) -> bool:
     torch.manual_seed(2)
     called(fn, block, x.requires_grad_()).sum().backward()
     return all(torch.allclose(p.grad, g, atol=1e-6) for p, g in zip(block.parameters(), plain))
+
+
+def _trains_on_data(fn: Callable) -> bool:
+    """Whether the learner's stage gives its weights a plain backward's gradients when its input is
+    data, which requires no grad (the first stage's, every micro-batch): the reentrant checkpoint
+    then gives them none."""
+    torch.manual_seed(3)
+    block, x = nn.Sequential(nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 16)), torch.randn(8, 16)
+    block(x).sum().backward()
+    plain = [p.grad.clone() for p in block.parameters()]
+    block.zero_grad()
+    with warnings.catch_warnings():  # the reentrant checkpoint warns that no input requires grad: this is the test
+        warnings.simplefilter("ignore")
+        out = called(fn, block, x)
+    if not isinstance(out, torch.Tensor) or not out.requires_grad:
+        return False
+    out.sum().backward()
+    return all(p.grad is not None and torch.allclose(p.grad, g, atol=1e-6) for p, g in zip(block.parameters(), plain))
 
 
 @functools.lru_cache(maxsize=1)

@@ -361,6 +361,8 @@ MUTANTS = [
     (exercises.check_bubble, never_returns, "too long"),
     (exercises.check_best_cut, lambda costs, k: itertools.count(1), "endless"),  # read within the bound, not after
     (exercises.check_fill_drain, lambda k, m: [itertools.cycle(["F0"]) for _ in range(k)], "endless"),
+    (exercises.check_checkpointed_stage, lambda block, x: checkpoint(block, x, use_reentrant=True),
+     "reentrant on data"),  # right while the input requires grad; the first stage's input is data
 ]
 FORMULA_CHECKS = (exercises.check_training_bytes, exercises.check_naive_bubble, exercises.check_bubble,
                   exercises.check_ideal_speedup, exercises.check_in_flight, exercises.check_boundary_bytes,
