@@ -129,6 +129,11 @@ def peaks(schedule: Schedule, chunks: list[ChunkBytes], batch_bytes: int) -> lis
             for line in footprints(schedule, chunks, batch_bytes)]
 
 
+def in_bytes(count: int) -> str:
+    """A byte count as a cap's message says it, in the unit the page's cap is typed in too: "5632 bytes (5.5 KiB)"."""
+    return f"{count} bytes ({count / 1024:.1f} KiB)"
+
+
 def check_cap(schedule: Schedule, chunks: list[ChunkBytes], batch_bytes: int, cap) -> None:
     """Raise a ValueError naming the first stage and task at which the schedule's activations would
     pass `cap` bytes (one number for every stage, or one per stage)."""
@@ -140,5 +145,5 @@ def check_cap(schedule: Schedule, chunks: list[ChunkBytes], batch_bytes: int, ca
     for k, (line, limit) in enumerate(zip(lines, caps)):
         for task, held in line:
             if held > limit:
-                raise ValueError(f"stage {k} holds {held} bytes of activations after {schedule.label(task)}, "
-                                 f"over its cap of {limit} bytes")
+                raise ValueError(f"stage {k} holds {in_bytes(held)} of activations after {schedule.label(task)}, "
+                                 f"over its cap of {in_bytes(limit)}")

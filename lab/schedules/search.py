@@ -27,7 +27,7 @@ from typing import Optional, Sequence
 
 from engine.schedule import SCHEDULES, Schedule, Task, timeline, upstream
 from lab.config import RunConfig, micro_batch_count
-from lab.runs.schedule_memory import ChunkBytes, peaks
+from lab.runs.schedule_memory import ChunkBytes, in_bytes, peaks
 
 
 @dataclass(frozen=True)
@@ -150,8 +150,9 @@ def search(stages: int, micro_batches: int, costs: Costs, chunks: Optional[list[
     if sizes is not None:
         for k in range(stages):
             if sizes.base[k] + sizes.held[k] > caps[k]:
-                raise ValueError(f"stage {k} holds {sizes.base[k] + sizes.held[k]} bytes with one micro-batch, over "
-                                 f"its cap of {caps[k]} bytes: no order of tasks fits (recompute, or more stages)")
+                raise ValueError(f"stage {k} holds {in_bytes(sizes.base[k] + sizes.held[k])} with one micro-batch, "
+                                 f"over its cap of {in_bytes(caps[k])}: no order of tasks fits (recompute, or more "
+                                 "stages)")
     best = _heuristic(stages, micro_batches, costs, sizes, caps, chunks, batch_bytes)
     schedule, how, nodes, finished = best[1], best[2], 0, True
     for split in (True, False):  # the orders with W's split off, then those with whole backwards

@@ -375,8 +375,9 @@ def test_a_written_schedule_is_checked_predicted_and_run_beside_gpipe(app):
     assert "✓ legal: makespan 15 units, bubble 20%, at most 4 micro-batches held on a stage" in \
         [s.value for s in app.success]
     app.number_input(key="writer_cap").set_value(4).run()   # KiB: the preset's GPipe holds more on stage 0
-    assert any(e.value.startswith("✗ stage 0 holds ") and "bytes of activations after " in e.value and
-               e.value.endswith("over its cap of 4096 bytes") for e in app.error), [e.value for e in app.error]
+    said = [e.value for e in app.error]   # in bytes, and in the KiB the cap is typed in
+    assert any(e.startswith("✗ stage 0 holds ") and " KiB) of activations after " in e and
+               e.endswith("over its cap of 4096 bytes (4.0 KiB)") for e in said), said
     app.number_input(key="writer_cap").set_value(10_000).run()
     assert any(s.value.startswith("✓ within the cap of 10000 KiB on every stage: predicted peaks ")
                for s in app.success)

@@ -90,7 +90,8 @@ def test_a_memory_cap_per_stage_is_checked_and_the_first_task_past_it_named():
     plain = gpipe(2, M, "always")
     schedule_memory.check_cap(Schedule(plain), chunks, whole, cap)
     early = recomputes_first(plain)
-    with pytest.raises(ValueError, match=rf"stage 0 holds \d+ bytes of activations after R\d, over its cap of {cap}"):
+    with pytest.raises(ValueError, match=rf"stage 0 holds \d+ bytes \([\d.]+ KiB\) of activations after R\d, "
+                                         rf"over its cap of {cap} bytes"):
         schedule_memory.check_cap(early, chunks, whole, cap)
     with pytest.raises(ValueError, match="3 caps for 2 stages"):
         schedule_memory.check_cap(early, chunks, whole, [cap] * 3)

@@ -87,7 +87,8 @@ def test_under_a_cap_1f1b_meets_no_slower_than_1f1b_and_zb_h1_and_under_a_tighte
     found = search(stages, micro, costs, CHUNKS[:stages], 50, tight, exact_limit=5000)
     assert max(found.peaks) <= tight < max(peaks(named["1f1b"], CHUNKS[:stages], 50))
     check(found.schedule, micro, "never")
-    with pytest.raises(ValueError, match="stage 0 holds 550 bytes with one micro-batch, over its cap of 500 bytes"):
+    with pytest.raises(ValueError, match=r"stage 0 holds 550 bytes \(0.5 KiB\) with one micro-batch, "
+                                         r"over its cap of 500 bytes \(0.5 KiB\)"):
         search(stages, micro, costs, CHUNKS[:stages], 50, 500)
 
 
