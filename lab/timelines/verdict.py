@@ -4,7 +4,8 @@ A single timing of each alternative, taken one after the other, ranks them by th
 much as by what they do. Here each alternative is measured in the same rounds (A, then B, then
 A, ...), and a winner is named only when it beats every other alternative in every round and its
 slowest round beats their fastest (the spreads separate); otherwise the verdict says the host
-cannot tell them apart, and shows each one's median and range. Winning every one of 5 paired rounds
+cannot name the fastest (and, of three or more, names one whose fastest round is slower than every
+other's slowest as plainly the slowest), and shows each one's median and range. Winning every one of 5 paired rounds
 alone happens by chance once in 16 between two equals, so a busy host named winners that flipped
 from run to run; with the spreads apart as well, once in 126.
 """
@@ -49,7 +50,11 @@ def compare(rounds: dict[str, list[float]], what: str = "step", unit: str = "ms"
         return f"{name} {median:.{digits}f}{' ' + unit if unit else ''} ({low:.{digits}f} to {high:.{digits}f})"
 
     figures = "; ".join(said(name) for name in names)
-    if winner is None:
+    loser = next((a for a in names if all(spreads[a][1] > spreads[b][2] for b in names if b != a)), None)
+    if winner is None and loser is not None and count >= 3:
+        line = (f"this host cannot name the fastest, but {loser} had the highest {what} in every one of {count} "
+                f"rounds, its range clear of the others' (medians and ranges: {figures})")
+    elif winner is None:
         line = (f"this host cannot tell them apart: no {what} is the lowest in every one of {count} round(s) with "
                 f"its range clear of the others' (medians and ranges: {figures})")
     elif count < 3:

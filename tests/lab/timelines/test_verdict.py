@@ -24,6 +24,16 @@ def test_every_round_won_but_ranges_that_overlap_and_the_host_cannot_tell():
     assert told.winner is None and "cannot tell them apart" in told.line, told.line
 
 
+def test_a_plainly_slowest_of_three_is_said_even_where_no_fastest_can_be():
+    """Two alternatives whose rounds overlap and a third slower in every round than both: the verdict
+    names no winner, but does not say the host cannot tell the slow one from the others."""
+    told = verdict.compare({"found": [150.0, 148.0, 155.0], "gpipe": [102.0, 104.0, 99.0],
+                            "1f1b": [101.0, 103.0, 105.0]})
+    assert told.winner is None and not told.told_apart()
+    assert told.line.startswith("this host cannot name the fastest, but found had the highest step in every one of "
+                                "3 rounds"), told.line
+
+
 def test_one_lost_round_and_the_host_cannot_tell():
     told = verdict.compare({"a": [1.0, 1.4, 0.9, 1.0], "b": [1.2, 1.3, 1.0, 1.1]})
     assert told.winner is None and "cannot tell them apart" in told.line and "4 round(s)" in told.line
