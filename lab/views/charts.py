@@ -155,8 +155,11 @@ def stacked_gantt(timelines: Sequence[Timeline], titles: Sequence[str]) -> go.Fi
     (unit costs beside milliseconds) each keeps its own, labelled with its unit."""
     units = ["ms" if line.unit == "s" else line.unit for line in timelines]
     shared = len(set(units)) <= 1
-    height = 80 + sum((60 if shared else 90) + 34 * line.stages for line in timelines)
-    gap = (40 if shared else 75) / height  # room for the next title (and an axis title) in pixels, not a fraction
+    height = 80 + sum((60 if shared else 100) + 34 * line.stages for line in timelines)
+    margin = dict(l=10, r=10, t=50, b=40)
+    # room for the next title (and, on its own axis, the tick labels and axis title above it), in pixels of
+    # the plotting area: a subplot's spacing is a share of the height left inside the margins
+    gap = (40 if shared else 90) / (height - margin["t"] - margin["b"])
     figure = make_subplots(rows=len(timelines), cols=1, shared_xaxes=shared, subplot_titles=list(titles),
                            vertical_spacing=min(gap, 0.9 / max(len(timelines) - 1, 1)))
     shown: set[str] = set()
@@ -167,9 +170,7 @@ def stacked_gantt(timelines: Sequence[Timeline], titles: Sequence[str]) -> go.Fi
             shown.add(trace.name)
             figure.add_trace(trace, row=row, col=1)
         figure.update_yaxes(categoryorder="array", categoryarray=single.layout.yaxis.categoryarray, row=row, col=1)
-    figure.update_layout(barmode="overlay", bargap=0.25, legend_title_text="task",
-                         height=height,
-                         margin=dict(l=10, r=10, t=50, b=40))
+    figure.update_layout(barmode="overlay", bargap=0.25, legend_title_text="task", height=height, margin=margin)
     for row, unit in enumerate(units, start=1):
         if row == len(units) or not shared:
             figure.update_xaxes(title_text=f"time ({unit})", row=row, col=1)
