@@ -533,7 +533,8 @@ def show_runs(runs: list, key: str) -> None:
     st.dataframe([{"schedule": r.label, "makespan (ms)": round(r.timeline.makespan * 1e3, 1),
                    "activation peak per stage (KiB)": ", ".join(f"{p / 1024:.0f}" for p in r.peaks),
                    "predicted from its tasks (KiB)": ", ".join(f"{p / 1024:.0f}" for p in r.predicted_peaks),
-                   "gradients": schedule_writer.exactness_line(r)} for r in runs], hide_index=True)
+                   "largest gradient difference": schedule_writer.gradients_cell(r)} for r in runs], hide_index=True)
+    st.caption(schedule_writer.gradients_caption(runs))
 
 
 def show_search(config: RunConfig) -> None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Sequence
 
 from engine import schedule as schedules
 from engine.schedule import Report, Schedule, Task, loop, v_shape
@@ -342,9 +342,15 @@ def cap_line(config: RunConfig, schedule: Schedule, cap: int) -> str:
     return f"✓ within the cap of {cap / 1024:.0f} KiB on every stage: predicted peaks {held} KiB"
 
 
-def exactness_line(ran: Ran) -> str:
-    """One run's gradients in words: "written: largest gradient difference from the unpipelined step 3e-08"
-    (GPipe's own line, where its gradients are the reference, says so)."""
-    if ran.reference == f"{ran.label}'s gradients":
-        return f"{ran.label}: the reference (the model has dropout, whose masks only a pipeline draws alike)"
-    return f"{ran.label}: largest gradient difference from {ran.reference} {ran.difference:.1e}"
+def gradients_cell(ran: Ran) -> str:
+    """One run's largest gradient difference from the reference, as a table's short cell ("2.0e-08"),
+    or "the reference" for the run whose gradients are it (`gradients_caption` says which)."""
+    return "the reference" if ran.reference == f"{ran.label}'s gradients" else f"{ran.difference:.1e}"
+
+
+def gradients_caption(runs: Sequence[Ran]) -> str:
+    """What the gradients column compares against, in words, once under the table."""
+    reference = runs[0].reference
+    dropout = reference.endswith("'s gradients")  # a schedule's own: the unpipelined step draws other masks
+    why = "; the model has dropout, whose masks only a pipeline draws alike" if dropout else ""
+    return f"Largest gradient difference: each schedule's, from {reference}{why}."

@@ -456,9 +456,11 @@ def test_the_writers_verdicts_predictions_and_guards():
                                                                  "cover so many chunks"
     assert schedule_writer.examine("F0 " * 40_000, 1, "never").line.startswith("✗ 120000 characters")
     reference = schedule_writer.Ran("GPipe", theory, [], 0.0, "GPipe's gradients")  # a model with dropout
-    assert schedule_writer.exactness_line(reference).startswith("GPipe: the reference")
-    assert schedule_writer.exactness_line(replace(reference, label="written", difference=2e-8)) == \
-        "written: largest gradient difference from GPipe's gradients 2.0e-08"
+    written_ = replace(reference, label="written", difference=2e-8)
+    assert [schedule_writer.gradients_cell(r) for r in (written_, reference)] == ["2.0e-08", "the reference"]
+    assert schedule_writer.gradients_caption([written_, reference]) == (
+        "Largest gradient difference: each schedule's, from GPipe's gradients; the model has dropout, whose masks "
+        "only a pipeline draws alike.")
 
 
 @pytest.mark.parametrize("name", list(SCHEDULES))
