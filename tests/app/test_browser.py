@@ -136,6 +136,13 @@ CUT_OFF = ("() => [...document.querySelectorAll('[data-testid=stMain] *')].filte
            "getComputedStyle(e).textOverflow === 'ellipsis' && e.scrollWidth > e.clientWidth + 1)"
            ".map(e => e.innerText)")
 
+OVERLAPS = ("() => [...document.querySelectorAll('.js-plotly-plot')].flatMap(plot => {"
+            " const texts = [...plot.querySelectorAll('text[class$=\"title\"], .annotation-text')]"
+            ".filter(t => t.textContent.trim()).map(t => [t.textContent, t.getBoundingClientRect()]);"
+            " return texts.flatMap(([a, p], i) => texts.slice(i + 1).filter(([b, q]) => p.left < q.right - 1 &&"
+            " q.left < p.right - 1 && p.top < q.bottom - 1 && q.top < p.bottom - 1).map(([b]) => a + ' | ' + b));"
+            " })")  # every pair of a chart's titles (its own, its axes', its panels') drawn over each other
+
 
 def metric(page, label: str) -> tuple[float, float, float]:
     """A measured figure of the page, (median, lowest, highest), from its metric: "speedup over
@@ -360,10 +367,13 @@ def test_every_section_button_and_a_written_schedule_leave_a_clean_terminal(serv
     page.get_by_role("option", name="zb-v").click()
     text_shown(page, "✓ legal: makespan")
     expect(box).to_have_value(re.compile(r"^placement: V\nstage 0: F0@0"), timeout=30_000)  # as React redraws it
+    wait_until_idle(page)  # the predicted chart: the unit-cost diagram over the replay, each with its own axis
+    assert not page.evaluate(OVERLAPS), page.evaluate(OVERLAPS)
     assert box.evaluate("b => b.scrollHeight <= b.clientHeight"), "the box shows every wrapped line of the text"
     page.get_by_role("button", name="run it").click()
     page.wait_for_function(WRITER_RAN, timeout=120_000, polling=500)
     wait_until_idle(page)
     assert page.locator("[data-testid='stException']").count() == 0
+    assert not page.evaluate(OVERLAPS), page.evaluate(OVERLAPS)
     page.context.close()
     assert not problems_in(log_path), "\n".join(problems_in(log_path)[:20])
