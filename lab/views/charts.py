@@ -50,11 +50,15 @@ def gantt(timeline: Timeline, title: Optional[str] = None, height: Optional[int]
         figure.add_trace(critical_path_line(critical, rows[::-1], scale, unit))
         figure.update_layout(yaxis2=dict(overlaying="y", range=[-0.5, len(rows) - 0.5], visible=False))
     figure.update_layout(
-        title=title or default_title, barmode="overlay", bargap=0.25, legend_title_text="task",
+        title=title or default_title, barmode="overlay", bargap=0.25, legend_title_text="task", uniformtext=LABELS,
         xaxis_title=f"time ({unit})", height=height or 120 + 40 * len(rows),
         yaxis=dict(categoryorder="array", categoryarray=rows[::-1], range=[-0.5, len(rows) - 0.5]),
         margin=dict(l=10, r=10, t=50, b=40))
     return figure
+
+
+LABELS = dict(minsize=9, mode="hide")  # a bar's label too long for its bar is left out, not shrunk unreadable:
+                                      # its hover still names the micro-batch and chunk
 
 
 def task_bars(timeline: Timeline, scale: float, unit: str) -> list[go.Bar]:
@@ -170,7 +174,8 @@ def stacked_gantt(timelines: Sequence[Timeline], titles: Sequence[str]) -> go.Fi
             shown.add(trace.name)
             figure.add_trace(trace, row=row, col=1)
         figure.update_yaxes(categoryorder="array", categoryarray=single.layout.yaxis.categoryarray, row=row, col=1)
-    figure.update_layout(barmode="overlay", bargap=0.25, legend_title_text="task", height=height, margin=margin)
+    figure.update_layout(barmode="overlay", bargap=0.25, legend_title_text="task", height=height, margin=margin,
+                         uniformtext=LABELS)
     for row, unit in enumerate(units, start=1):
         if row == len(units) or not shared:
             figure.update_xaxes(title_text=f"time ({unit})", row=row, col=1)

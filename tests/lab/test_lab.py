@@ -63,6 +63,11 @@ def test_gantt_has_one_trace_per_op_and_one_bar_per_task():
     assert "bubble" in figure.layout.title.text
     no_recompute = charts.gantt(replay.unit_cost(3, 4, "never"))
     assert [t.name for t in no_recompute.data] == ["forward", "backward"]
+    for chart in (figure, charts.stacked_gantt([replay.unit_cost(3, 4, "never")] * 2, ["a", "b"])):
+        # a label too long for its bar (ZB-V's "3@5" at large M) is left out, not drawn unreadably small,
+        # and its bar's hover still names it
+        assert (chart.layout.uniformtext.minsize, chart.layout.uniformtext.mode) == (9, "hide")
+        assert all("micro-batch %{customdata[0]}, chunk %{customdata[1]}" in t.hovertemplate for t in chart.data)
 
 
 def test_other_charts():
