@@ -187,6 +187,7 @@ class ProcessTransport:
         members = dist.get_process_group_ranks(group)
         world = World.gather(members, device, group)
         self.shared = world.store  # failures are told world-wide: replicas of a stage stop together
+        self.step = -1             # no call yet: a failure told while the lane is made is read as the pipe's
         self.store = dist.PrefixStore(f"{'-'.join(map(str, members))}/", world.store)
         clocks = [world.clocks[member] for member in members]
         peers = sorted({p for p in (upstream, downstream) if p is not None and p != ranks.rank})
@@ -203,7 +204,6 @@ class ProcessTransport:
             raise
         remote = [r for r in range(1, ranks.size) if clocks[r] != clocks[0]]
         self.clock_offset = self.lane.clock_offset(remote) if remote else 0.0
-        self.step = -1
         self.decision: Optional[Decision] = None
         self._arrived: dict = {}                     # (step, kind, micro, chunk) -> (value, NCCL works or None, sender)
         self._decided = -1                           # the last call whose decision arrived
