@@ -17,9 +17,9 @@ the lane and every transfer have bounds (works.py).
 from __future__ import annotations
 
 import collections
+import contextlib
 import datetime
 import functools
-import itertools
 import queue
 import struct
 import threading
@@ -33,7 +33,16 @@ from ..transport import StageFailed
 from . import wire
 from .turns import Turns
 from .wire import Arrival, Lost
-from .works import Stalled, finished_within, gloo_timeout, in_seconds, setup_bound, transfer_bound, until_completed
+from .works import (
+    Stalled,
+    finished_within,
+    gloo_timeout,
+    in_seconds,
+    progress_bound,
+    setup_bound,
+    transfer_bound,
+    until_completed,
+)
 
 HEADER_TAG, DATA_TAG, CLOCK_TAG = 1, 2, 3
 PREPOSTED = 8                                  # receives kept posted per neighbour
@@ -44,17 +53,24 @@ PAYLOAD_KINDS = ("act", "grad")                # messages posted in turns; their
 
 
 class _Link:
-    """The receives this rank keeps posted for one neighbour, used in order, slot after slot."""
+    """The receives this rank keeps posted for one neighbour, waited for in the order they were posted
+    (gloo fills the first posted first), and the frames landed from it, handed to the stage in the
+    order they landed (a message waiting for its turn holds back those after it)."""
 
     def __init__(self, peer: int, group):
         self.peer, self.group = peer, group
         self.frames = [torch.empty(wire.FRAME_BYTES, dtype=torch.uint8) for _ in range(PREPOSTED)]
         self.views = [frame.numpy() for frame in self.frames]
         self.works = [group.recv([frame], peer, HEADER_TAG) for frame in self.frames]
+        self.order = collections.deque(range(PREPOSTED))  # slots posted, in the order gloo fills them
+        self.landed: collections.deque = collections.deque()  # [slot, its turn came], in landing order
+        self.lock = threading.Lock()
         self.posted = threading.Semaphore(PREPOSTED)  # posted receives the listener has not waited for yet
 
     def repost(self, slot: int) -> None:
-        self.works[slot] = self.group.recv([self.frames[slot]], self.peer, HEADER_TAG)
+        with self.lock:
+            self.works[slot] = self.group.recv([self.frames[slot]], self.peer, HEADER_TAG)
+            self.order.append(slot)
         self.posted.release()
 
 
@@ -212,7 +228,7 @@ class GlooLane:
             return None
         try:
             header = wire.decode_header(link.views[slot])
-            if header.inline:
+            if header.inline or header.kind not in PAYLOAD_KINDS:  # a large control message's payload: over gloo
                 return None
             group, local_peer = edge
             # on the stage's GPU (a new thread's current device is cuda:0, where a stream would open a context)
@@ -223,9 +239,19 @@ class GlooLane:
             return error
         return wire.marked(tensors, header), works
 
-    def _arrived(self, link: _Link, slot: int) -> None:
-        """A frame landed in `slot`: its payload's receives posted (in its turn), it goes to the stage."""
-        self._events.put((link, slot, self._receive_payload(link, slot)))
+    def _in_turn(self, link: _Link, entry: list) -> None:
+        """A landed activation's or gradient's turn came (on whichever thread took it)."""
+        entry[1] = True
+        self._release(link)
+
+    def _release(self, link: _Link) -> None:
+        """Hand the stage the frames landed from `link` whose turn came, in landing order: gloo pairs a
+        neighbour's payloads with its receives in order, so none may overtake another. An NCCL
+        payload's receives are posted here, in its turn."""
+        with link.lock:
+            while link.landed and link.landed[0][1]:
+                slot = link.landed.popleft()[0]
+                self._events.put((link, slot, self._receive_payload(link, slot)))
 
     def _payload(self, peer: int, header: wire.Header, home: torch.device) -> tuple[list, Optional[list]]:
         """Tensors that follow their frame over gloo, received into tensors of the announced shapes
@@ -274,8 +300,9 @@ class GlooLane:
     def _listen(self, link: _Link) -> None:
         """Listener thread: wait for the posted receives of one neighbour in order and signal each."""
         goodbyes = 0
-        for slot in itertools.cycle(range(PREPOSTED)):
+        while True:
             link.posted.acquire()
+            slot = link.order.popleft()
             try:
                 link.works[slot].wait(NEVER)  # an idle pipe waits here: the lane's close or a lost peer ends it
             except Exception as error:
@@ -290,11 +317,15 @@ class GlooLane:
                 link.repost(slot)
                 continue
             step, kind, micro, chunk = struct.unpack_from("<4q", link.views[slot], 8)  # the header's first words
-            if 0 <= kind < len(wire.KINDS) and wire.KINDS[kind] in PAYLOAD_KINDS:
+            payload = 0 <= kind < len(wire.KINDS) and wire.KINDS[kind] in PAYLOAD_KINDS
+            entry = [slot, not payload]  # control messages, and what cannot be read (the stage says so): no turn
+            with link.lock:
+                link.landed.append(entry)
+            if payload:
                 self.turns.offer(step, (wire.KINDS[kind], micro, chunk), "receive",
-                                 functools.partial(self._arrived, link, slot), link.peer)
-            else:  # control messages, and what cannot be read (the stage thread says so), at once
-                self._arrived(link, slot)
+                                 functools.partial(self._in_turn, link, entry), link.peer)
+            else:
+                self._release(link)
 
     def _fail(self, peer: int, error: BaseException) -> None:
         """A listener or the sender lost `peer`: tell the stage thread (an event; `error` for NCCL polls)."""
@@ -321,15 +352,17 @@ class GlooLane:
                 seen = self._wakes
             while self._in_flight:
                 gloo, nccl, buffers, destination = self._in_flight[0]
-                bound = transfer_bound(sum(t.numel() * t.element_size() for t in buffers if t is not None))
+                # the receiver may not have reached this call yet, as a header waits for it: a progress bound
+                bound = progress_bound(sum(t.numel() * t.element_size() for t in buffers if t is not None))
                 try:
                     for work in gloo:  # returns once gloo has sent the buffer (is_completed() would never say so)
-                        work.wait(gloo_timeout(bound))
+                        _sent_by(work, bound, destination)
                     # NCCL's wait() returns at once, before the send is done; after a failure its
                     # sends may never complete: the groups are aborted and the buffers let go
                     until_completed(nccl, self._sent_within(bound, destination), every=0.01, pause_cap=1e-3)
-                    for work in nccl:
-                        work.wait()
+                    with torch.cuda.device(self.device) if nccl else contextlib.nullcontext():  # not cuda:0's stream
+                        for work in nccl:
+                            work.wait()
                 except _Abandoned:
                     self._in_flight.clear()
                     return
@@ -371,6 +404,12 @@ class GlooLane:
                 break
             if event[0] is not None:
                 event[0].repost(event[1])
+        for link in self._links:  # and those waiting for a turn that will not come
+            with link.lock:
+                held = [slot for slot, _ in link.landed]
+                link.landed.clear()
+            for slot in held:
+                link.repost(slot)
         self._wake_sender()
         deadline = time.monotonic() + timeout
         for thread in self._threads:
@@ -413,6 +452,17 @@ def _abort(group) -> None:
             dist.destroy_process_group(group)
         except Exception:  # already gone
             pass
+
+
+def _sent_by(work, bound: float, destination: int) -> None:
+    """Wait for a gloo send, at most `bound` seconds (then gloo closes the connection): Stalled, saying so."""
+    since = time.monotonic()
+    try:
+        work.wait(gloo_timeout(bound))
+    except Exception:
+        if time.monotonic() - since < bound:
+            raise
+        raise Stalled(f"waited {in_seconds(bound)} for a send to stage {destination} to be taken, its bound") from None
 
 
 def wire_group(pipelines: list, members: list[int], rank: int):

@@ -32,7 +32,7 @@ import torch
 from ..device import cpu_cores
 from . import wire
 from .wire import Arrival, Lost
-from .works import Stalled, in_seconds, keys_within, setup_bound, transfer_bound
+from .works import Stalled, in_seconds, keys_within, progress_bound, setup_bound
 
 SHM = "/dev/shm"
 RECORD = struct.Struct("<IIQ")  # bytes of the record, segment generation, payload offset; then the header
@@ -221,7 +221,7 @@ class ShmLane:
                 since = time.monotonic() if since is None else since
                 select.select([], [fd], [], 0.05)
                 self.on_stall()
-                if time.monotonic() - since > transfer_bound(len(record)):
+                if time.monotonic() - since > progress_bound(len(record)):  # it may be busy, or between calls
                     raise Lost(destination, Stalled(f"waited {in_seconds(time.monotonic() - since)} for stage "
                                                     f"{destination} to read its full FIFO, its bound")) from None
             except BrokenPipeError as error:

@@ -37,8 +37,8 @@ from .works import (
     finished_within,
     in_seconds,
     keys_within,
+    progress_bound,
     setup_bound,
-    transfer_bound,
     until_completed,
     wait_bound,
 )
@@ -303,12 +303,12 @@ class ProcessTransport:
             self._check_receiving()
             waited = time.monotonic() - since
             if waited > STUCK_SECONDS:
-                posted = self._stuck(key, posted, pending=True)
+                posted = self._stuck(key, posted, pending=sender)
                 nbytes = sum(t.numel() * t.element_size() for t in wire.describe(value)[1] if t is not None)
-                if waited > transfer_bound(nbytes):
+                if waited > progress_bound(nbytes):  # its send is posted in the sender's turn
                     self._stalled(key, waited, f"the payload of {self._wanted(key)} ({nbytes} bytes on the edge "
                                                f"({key[1]!r}, {sender}, {self.ranks.rank}), bound "
-                                               f"{in_seconds(transfer_bound(nbytes))})")
+                                               f"{in_seconds(progress_bound(nbytes))})")
         until_completed(works, waiting, every=POLL_SECONDS)
         if posted is not None:
             self.store.delete_key(f"waits/{self.step}/{self.ranks.rank}")
@@ -326,6 +326,10 @@ class ProcessTransport:
         note = f"stalled: stage {self.ranks.rank} waited {in_seconds(waited)} for {what}; the others wait: {meanwhile}"
         self.report_failure(note)
         self._failure = StageFailed(note)
+        try:  # where another rank's wait ended the call first, its note is the call's, on every rank
+            self._told(f"failed/{key[0]}")
+        except StageFailed as first:
+            self._failure = first
         raise self._failure
 
     def check(self) -> None:
@@ -427,9 +431,9 @@ class ProcessTransport:
             return f"its {kind!r} message"
         return f"{'FB'[kind == 'grad']}{micro} from stage {self.placement[chunk + (kind == 'grad') - (kind == 'act')]}"
 
-    def _stuck(self, key, posted: Optional[str], pending: bool = False) -> str:
-        """Post that this rank has waited STUCK_SECONDS for `key` (its header, or with `pending` its
-        payload, still moving), with the messages it has sent to and read from each rank in this call
+    def _stuck(self, key, posted: Optional[str], pending: Optional[int] = None) -> str:
+        """Post that this rank has waited STUCK_SECONDS for `key` (its header, or, with `pending` the
+        sending rank, its payload still to land), with the messages it has sent to and read from each rank in this call
         (again whenever those change). When every rank waits for a header and every message sent was
         read (none is still on its way, as a large payload on a slow link can be for seconds), none
         can send what another waits for: a deadlock; fail the call, naming each rank's wait (a pending
@@ -438,8 +442,9 @@ class ProcessTransport:
         peers = range(self.ranks.size)
         counts = [[self._traffic[(step, "sent", peer)] for peer in peers],
                   [self._traffic[(step, "received", peer)] + held.get(peer, 0) for peer in peers]]
-        what = f"the payload of {self._wanted(key)}" if pending else self._wanted(key)
-        note = f"{json.dumps([*counts, pending])}\nstage {self.ranks.rank} waits for {what}"
+        what = self._wanted(key) if pending is None else \
+            f"the payload of {self._wanted(key)} on the edge ({key[1]!r}, {pending}, {self.ranks.rank})"
+        note = f"{json.dumps([*counts, pending is not None])}\nstage {self.ranks.rank} waits for {what}"
         if note == posted:
             return note
         self.store.set(f"waits/{step}/{self.ranks.rank}", note)

@@ -51,6 +51,12 @@ def transfer_bound(nbytes: int) -> float:
     return seconds_from("GPIPE_TRANSFER_SECONDS", TRANSFER_FLOOR) + nbytes / SLOWEST_LINK
 
 
+def progress_bound(nbytes: int) -> float:
+    """The longest a wait on another rank's progress and then a transfer of `nbytes` may take: a
+    send or a payload posted in its turn waits for the peer's own turns, as a header does."""
+    return wait_bound() + transfer_bound(nbytes)
+
+
 def wait_bound() -> float:
     """The longest a stage waits, within a call, for a message (its header) before the call fails."""
     return seconds_from("GPIPE_WAIT_SECONDS", WAIT_SECONDS)

@@ -8,6 +8,7 @@ the call's one order (engine/distributed/turns.py), and whether the loss is the 
 import json
 import os
 import sys
+import time
 
 import torch
 import torch.distributed as dist
@@ -40,6 +41,41 @@ for name, kind in SCHEDULES.items():
                   "in_order": pipe.runner.transport.lane.turns.posted == mine,
                   "equal": loss.item() == threads.step(x, y, nn.functional.cross_entropy).item()})
     pipe.close()
+
+
+class SlowBackward(torch.autograd.Function):
+    """The identity, whose backward takes 0.1 s: the stage behind it sends its "end" while the
+    stage before still holds a gradient that waits for its turn (that end must not overtake it)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        time.sleep(0.1)
+        return grad
+
+
+class Slow(nn.Module):
+    def forward(self, x):
+        return SlowBackward.apply(x)
+
+
+def slow_middle() -> nn.Sequential:
+    torch.manual_seed(0)
+    middle = [nn.Sequential(nn.Linear(16, 16), Slow()) for _ in range(stages - 2)]
+    return nn.Sequential(nn.Linear(16, 16), *middle, nn.Linear(16, 3)).to(torch.float64)
+
+
+options = dict(balance=stages, chunks=6, schedule="1f1b", checkpoint="never", seed=1)
+pipe = GPipe(slow_middle(), threads_per_stage=1, group=dist.group.WORLD, **options)
+threads = GPipe(slow_middle(), threads_per_stage=1, **options)
+losses = [(pipe.step(x, y, nn.functional.cross_entropy).item(), threads.step(x, y, nn.functional.cross_entropy).item())
+          for _ in range(4)]
+lines.append({"schedule": "1f1b, slow middle, 4 steps", "rank": rank, "transfers": len(losses), "in_order": True,
+              "equal": all(a == b for a, b in losses)})
+pipe.close()
 with open(os.path.join(os.environ["GPIPE_TURNS_OUT"], f"rank{rank}.jsonl"), "w") as out:
     out.write("".join(json.dumps(line) + "\n" for line in lines))
 dist.destroy_process_group()

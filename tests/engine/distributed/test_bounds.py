@@ -50,8 +50,9 @@ def transport(rank: int, size: int, store, step: int = 4) -> ProcessTransport:
 
 
 @pytest.fixture
-def quick_bounds(monkeypatch):
-    monkeypatch.setenv("GPIPE_TRANSFER_SECONDS", "0.5")
+def quick_bounds(monkeypatch):  # a payload or a send: 0.3 s waiting for the peer's progress, 0.2 s to move
+    monkeypatch.setenv("GPIPE_WAIT_SECONDS", "0.3")
+    monkeypatch.setenv("GPIPE_TRANSFER_SECONDS", "0.2")
     monkeypatch.setattr("engine.distributed.transport.STUCK_SECONDS", 0.1)
 
 
@@ -83,7 +84,7 @@ def test_a_wait_for_a_payload_in_flight_is_posted_but_never_taken_for_a_deadlock
         first._traffic.update({(4, "sent", 1): 1})
         second._traffic.update({(4, "received", 0): 1})
         first._stuck((4, "grad", 0, 0), None)
-        second._stuck((4, "act", 1, 1), None, pending=pending)
+        second._stuck((4, "act", 1, 1), None, pending=0 if pending else None)
         return store.check(["failed/4"])
     assert everyone_waits(pending=False)
     assert not everyone_waits(pending=True)

@@ -612,8 +612,9 @@ def test_an_nccl_payload_is_received_in_its_turn_as_soon_as_its_header_lands(mon
     lane.turns.expect(3, [Transfer(("grad", 4, 0), 1, 0), Transfer(("act", 5, 1), 0, 1)])
     frame, _ = wire.encode(3, "act", 5, 1, wire.NO_DECISION, torch.ones(4, 6), inline=False)
     reposted = []
-    link = SimpleNamespace(peer=0, views=[frame.numpy()], repost=reposted.append)
-    lane.turns.offer(3, ("act", 5, 1), "receive", lambda: lane._arrived(link, 0))  # as the listener does
+    link = SimpleNamespace(peer=0, views=[frame.numpy()], repost=reposted.append,
+                           landed=collections.deque([[0, False]]), lock=threading.Lock())  # landed, its turn to come
+    lane.turns.offer(3, ("act", 5, 1), "receive", lambda: lane._in_turn(link, link.landed[0]))  # as the listener does
     assert posted == [] and lane._events.empty(), "its turn comes after stage 1's send of B4's gradient"
     lane.post(0, 3, "grad", 4, 0, wire.NO_DECISION, torch.ones(3))
     assert posted == [(3 * 4, 0), (4 * 6 * 4, 0)], "the send, then the receive, on the neighbour's group"
