@@ -45,8 +45,10 @@ README_MAX_LINES = 250
 # The engine's size in words (whitespace-separated tokens), so that wrapping a line, longer or
 # shorter, changes nothing: only saying more does. engine/, then engine/ without distributed/; each
 # rise is said in the commit that needs it (on 2026-12-07, 28,648 and 17,284 words, 4,650 lines; then
-# 31,360 and 17,397 once every wait of stage processes had a bound and their transfers one order).
-ENGINE_MAX_WORDS, CORE_MAX_WORDS = 31_400, 17_400
+# 31,360 and 17,397 once every wait of stage processes had a bound and their transfers one order;
+# 31,657 with a review's fixes to the turns: receives waited in posting order, frames handed on in
+# landing order).
+ENGINE_MAX_WORDS, CORE_MAX_WORDS = 31_700, 17_400
 
 
 def test_the_engine_stays_a_compact_read():

@@ -53,9 +53,8 @@ PAYLOAD_KINDS = ("act", "grad")                # messages posted in turns; their
 
 
 class _Link:
-    """The receives this rank keeps posted for one neighbour, waited for in the order they were posted
-    (gloo fills the first posted first), and the frames landed from it, handed to the stage in the
-    order they landed (a message waiting for its turn holds back those after it)."""
+    """The receives kept posted for one neighbour, waited for in posting order (gloo fills the first
+    posted first), and the frames landed from it, handed on in landing order."""
 
     def __init__(self, peer: int, group):
         self.peer, self.group = peer, group
@@ -160,8 +159,7 @@ class GlooLane:
                          functools.partial(self._send_payload, edge, destination, tensors, produced))
 
     def _send_payload(self, edge: tuple, destination: int, tensors: list, produced) -> None:
-        """In its turn (on whichever thread took it): post a message's NCCL sends, from the
-        neighbour's stream once the stage's stream has produced them."""
+        """In its turn: post a message's NCCL sends from the neighbour's stream, after `produced`."""
         group, peer = edge
         try:
             stream = self._stream(destination)
@@ -245,9 +243,8 @@ class GlooLane:
         self._release(link)
 
     def _release(self, link: _Link) -> None:
-        """Hand the stage the frames landed from `link` whose turn came, in landing order: gloo pairs a
-        neighbour's payloads with its receives in order, so none may overtake another. An NCCL
-        payload's receives are posted here, in its turn."""
+        """Hand the stage `link`'s landed frames whose turn came, in landing order (gloo pairs a
+        neighbour's payloads with receives in order: none may overtake); NCCL receives post here."""
         with link.lock:
             while link.landed and link.landed[0][1]:
                 slot = link.landed.popleft()[0]
@@ -375,8 +372,7 @@ class GlooLane:
                 return
 
     def _sent_within(self, bound: float, destination: int):
-        """The sender thread's check while NCCL sends to `destination`: stop if the lane gave up its
-        transfers, Stalled once `bound` seconds passed (the receiver never posted its side)."""
+        """The sender thread's check on an NCCL send: stop if the lane gave up, Stalled past `bound`."""
         deadline = time.monotonic() + bound
 
         def check() -> None:
@@ -455,7 +451,7 @@ def _abort(group) -> None:
 
 
 def _sent_by(work, bound: float, destination: int) -> None:
-    """Wait for a gloo send, at most `bound` seconds (then gloo closes the connection): Stalled, saying so."""
+    """Wait for a gloo send at most `bound` seconds (gloo then closes the pair): Stalled."""
     since = time.monotonic()
     try:
         work.wait(gloo_timeout(bound))

@@ -70,8 +70,8 @@ class Turns:
             self._post_in_turn()
 
     def offer(self, step: int, key: Key, way: str, post: Callable[[], None], peer: int = -1) -> None:
-        """Post a transfer of call `step` under `key` ("send" or "receive") with rank `peer` in its
-        turn. What belongs to no turn of the call (an earlier call's, one that failed) posts at once."""
+        """Post a transfer of call `step` under `key` ("send" or "receive") with `peer` in its turn;
+        one of no turn of the call (an earlier call's) at once."""
         with self._lock:
             if step < self._step or (step == self._step and (key, way) not in self._left):
                 post()

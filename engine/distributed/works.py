@@ -52,8 +52,7 @@ def transfer_bound(nbytes: int) -> float:
 
 
 def progress_bound(nbytes: int) -> float:
-    """The longest a wait on another rank's progress and then a transfer of `nbytes` may take: a
-    send or a payload posted in its turn waits for the peer's own turns, as a header does."""
+    """The longest a wait on another rank's progress, then a transfer of `nbytes`, may take."""
     return wait_bound() + transfer_bound(nbytes)
 
 
@@ -113,8 +112,7 @@ def finished_within(seconds: float, what: str, work: Callable[[], Result], check
 
 
 def keys_within(store, keys: list[str], seconds: float, what: str, check: Callable[[], None] = lambda: None) -> None:
-    """Return once every key is in `store`, calling `check` meanwhile; past `seconds`, StageFailed
-    naming `what` and the keys still missing (a rank that died before writing its key)."""
+    """Return once every key is in `store`, calling `check`; past `seconds`, StageFailed naming the missing."""
     pause, deadline, next_check = 1e-3, time.monotonic() + seconds, time.monotonic() + 0.05
     while not store.check(keys):
         if time.monotonic() >= next_check:
