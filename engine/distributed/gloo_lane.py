@@ -34,10 +34,9 @@ from . import wire
 from .turns import Turns
 from .wire import Arrival, Lost
 from .works import (
-    Stalled,
     finished_within,
     gloo_timeout,
-    in_seconds,
+    gloo_waited,
     progress_bound,
     setup_bound,
     transfer_bound,
@@ -254,16 +253,14 @@ class GlooLane:
         """Tensors that follow their frame over gloo, received into tensors of the announced shapes
         (copied to the stage's GPU, with the event to wait for, where it has one)."""
         tensors = wire.empty_tensors(header, torch.device("cpu"))
-        bound, since = transfer_bound(header.payload_bytes), time.monotonic()
+        what = (f"the payload of its {header.kind!r} message {header.micro} from stage {peer} "
+                f"({header.payload_bytes} bytes over gloo)")
         try:  # the sender posts its payload with its header: it is on its way, or the sender is gone
             for t in tensors:
                 if t is not None:
-                    self.wire.recv([t], peer, DATA_TAG).wait(gloo_timeout(bound))
-        except Exception as error:
-            late = time.monotonic() - since >= bound
-            raise Lost(peer, Stalled(f"waited {in_seconds(bound)} for the payload of its {header.kind!r} message "
-                                     f"{header.micro} from stage {peer} ({header.payload_bytes} bytes over gloo), "
-                                     "its bound") if late else error) from None
+                    gloo_waited(self.wire.recv([t], peer, DATA_TAG), transfer_bound(header.payload_bytes), what)
+        except Exception as error:  # Stalled past the bound, else the connection's own error
+            raise Lost(peer, error) from None
         if home.type == "cuda":
             tensors, ready = to_gpu(tensors, home)
             return wire.marked(tensors, header), ready
@@ -350,13 +347,14 @@ class GlooLane:
             while self._in_flight:
                 gloo, nccl, buffers, destination = self._in_flight[0]
                 # the receiver may not have reached this call yet, as a header waits for it: a progress bound
-                bound = progress_bound(sum(t.numel() * t.element_size() for t in buffers if t is not None))
+                bound = progress_bound(wire.tensor_bytes(buffers))
                 try:
                     for work in gloo:  # returns once gloo has sent the buffer (is_completed() would never say so)
-                        _sent_by(work, bound, destination)
+                        gloo_waited(work, bound, f"a send to stage {destination} to be taken")
                     # NCCL's wait() returns at once, before the send is done; after a failure its
                     # sends may never complete: the groups are aborted and the buffers let go
-                    until_completed(nccl, self._sent_within(bound, destination), every=0.01, pause_cap=1e-3)
+                    until_completed(nccl, self._raise_if_abandoned, every=0.01, pause_cap=1e-3, within=bound,
+                                    what=f"an NCCL send to stage {destination} to complete")
                     with torch.cuda.device(self.device) if nccl else contextlib.nullcontext():  # not cuda:0's stream
                         for work in nccl:
                             work.wait()
@@ -370,17 +368,6 @@ class GlooLane:
                 del gloo, nccl, buffers
             if self._closed:
                 return
-
-    def _sent_within(self, bound: float, destination: int):
-        """The sender thread's check on an NCCL send: stop if the lane gave up, Stalled past `bound`."""
-        deadline = time.monotonic() + bound
-
-        def check() -> None:
-            self._raise_if_abandoned()
-            if time.monotonic() > deadline:
-                raise Stalled(f"waited {in_seconds(bound)} for an NCCL send to stage {destination} to complete, "
-                              "its bound")
-        return check
 
     def close(self, step: int, timeout: float = 5.0) -> None:
         """Stop this rank's threads and destroy the lane's groups. Goodbyes answer the receives each
@@ -448,17 +435,6 @@ def _abort(group) -> None:
             dist.destroy_process_group(group)
         except Exception:  # already gone
             pass
-
-
-def _sent_by(work, bound: float, destination: int) -> None:
-    """Wait for a gloo send at most `bound` seconds (gloo then closes the pair): Stalled."""
-    since = time.monotonic()
-    try:
-        work.wait(gloo_timeout(bound))
-    except Exception:
-        if time.monotonic() - since < bound:
-            raise
-        raise Stalled(f"waited {in_seconds(bound)} for a send to stage {destination} to be taken, its bound") from None
 
 
 def wire_group(pipelines: list, members: list[int], rank: int):

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from ..transport import StageFailed
-from .works import Stalled, in_seconds, keys_within, progress_bound, setup_bound, until_completed
+from .works import keys_within, progress_bound, setup_bound, until_completed
 
 BUCKET_BYTES = 25 * 2 ** 20   # as DistributedDataParallel: large enough to amortize a call, small enough to overlap
 
@@ -122,14 +122,8 @@ def wait(works: list, check: Callable[[], None], nbytes: int = 16) -> None:
     """Wait for collectives of `nbytes` in all, calling `check` meanwhile, up to a transfer's bound
     (then Stalled, which the call reports to every rank, aborting the groups); a broken one is a
     StageFailed (or the reported cause)."""
-    bound, since = progress_bound(nbytes), time.monotonic()  # a replica may be behind, as a header waits
-
-    def checked() -> None:
-        check()
-        if time.monotonic() - since > bound:
-            raise Stalled(f"waited {in_seconds(bound)} for the all-reduce of {nbytes} bytes with the other "
-                          "replicas, its bound")
-    until_completed(works, checked)
+    until_completed(works, check, within=progress_bound(nbytes),  # a replica may be behind, as a header waits
+                    what=f"the all-reduce of {nbytes} bytes with the other replicas")
     for work in works:
         try:
             work.wait()

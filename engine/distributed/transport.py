@@ -304,7 +304,7 @@ class ProcessTransport:
             waited = time.monotonic() - since
             if waited > STUCK_SECONDS:
                 posted = self._stuck(key, posted, pending=sender)
-                nbytes = sum(t.numel() * t.element_size() for t in wire.describe(value)[1] if t is not None)
+                nbytes = wire.tensor_bytes(wire.describe(value)[1])
                 if waited > progress_bound(nbytes):  # its send is posted in the sender's turn
                     self._stalled(key, waited, f"the payload of {self._wanted(key)} ({nbytes} bytes on the edge "
                                                f"({key[1]!r}, {sender}, {self.ranks.rank}), bound "
@@ -477,9 +477,8 @@ class ProcessTransport:
             raise self._failure from None
         self._traffic[(self.step, "sent", destination)] += 1
         if kind in ("act", "grad"):
-            self._log.append((self.step, self.ranks.rank, destination, "send", kind, micro, sum(
-                t.numel() * t.element_size() for t in wire.describe(value)[1] if t is not None), start,
-                time.perf_counter()))
+            self._log.append((self.step, self.ranks.rank, destination, "send", kind, micro,
+                              wire.tensor_bytes(wire.describe(value)[1]), start, time.perf_counter()))
 
     def close(self) -> None:
         """Close the lane: its threads, groups or shared memory (every rank calls it)."""

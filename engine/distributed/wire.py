@@ -148,6 +148,11 @@ def encode_header(step: int, kind: str, micro: int, chunk: int, decision: Decisi
     return struct.pack(f"<{len(words)}q", *words).ljust(_padded(8 * len(words)), b"\0"), present
 
 
+def tensor_bytes(tensors) -> int:
+    """Bytes the tensors hold, unpadded (None counts nothing): what a message or a send in flight carries."""
+    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+
 def payload_bytes(tensors: Sequence[torch.Tensor]) -> int:
     """Bytes the tensors take laid out one after another, each padded to 16 bytes."""
     return sum(_padded(t.numel() * t.element_size()) for t in tensors)

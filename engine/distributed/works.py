@@ -10,7 +10,7 @@ import datetime
 import os
 import threading
 import time
-from typing import Callable, TypeVar
+from typing import Callable, Optional, TypeVar
 
 from ..transport import StageFailed
 
@@ -72,18 +72,34 @@ def gloo_timeout(seconds: float) -> datetime.timedelta:
 
 
 def until_completed(works: list, check: Callable[[], None] = lambda: None, every: float = 0.05,
-                    pause_cap: float = 1e-4) -> None:
-    """Return once every work completed (well or not), calling `check` every `every` seconds (the
-    caller's bound and failure checks raise from there); pauses stay short: a GPU stage waits here
-    for data it needs now."""
-    pause, next_check = 1e-6, time.monotonic() + every
+                    pause_cap: float = 1e-4, within: Optional[float] = None, what: str = "") -> None:
+    """Return once every work completed (well or not), calling `check` every `every` seconds (a
+    failure elsewhere raises from there); past `within` seconds, Stalled naming `what`. Pauses stay
+    short: a GPU stage waits here for data it needs now."""
+    start = time.monotonic()
+    pause, next_check = 1e-6, start + every
     for work in works:
         while not work.is_completed():
-            if time.monotonic() >= next_check:
+            now = time.monotonic()
+            if now >= next_check:
                 check()
+                if within is not None and now - start > within:
+                    raise Stalled(f"waited {in_seconds(within)} for {what}, its bound")
                 next_check = time.monotonic() + every
             time.sleep(pause)
             pause = min(2 * pause, pause_cap)
+
+
+def gloo_waited(work, seconds: float, what: str) -> None:
+    """Wait for a gloo point-to-point work at most `seconds` (gloo then closes the pair): Stalled
+    naming `what` past it, the work's own error before it."""
+    since = time.monotonic()
+    try:
+        work.wait(gloo_timeout(seconds))
+    except Exception:
+        if time.monotonic() - since < seconds:
+            raise
+        raise Stalled(f"waited {in_seconds(seconds)} for {what}, its bound") from None
 
 
 def finished_within(seconds: float, what: str, work: Callable[[], Result], check: Callable[[], None] = lambda: None,
