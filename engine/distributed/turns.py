@@ -11,7 +11,8 @@ from __future__ import annotations
 import threading
 from typing import Callable, NamedTuple, Optional
 
-from ..schedule import Schedule, Task, timeline
+from ..schedule import Schedule, Task, timeline, upstream
+from ..transport import message_key
 
 Key = tuple  # (kind, micro, receiving chunk), as message_key names a task's input
 
@@ -30,18 +31,15 @@ def transfer_order(schedule: list[list[Task]], placement: tuple) -> list[Transfe
     sending rank then by its position in that rank's list."""
     schedule = Schedule(schedule, placement)
     times = timeline(schedule, lambda stage, task: 1.0)
-    last = len(placement) - 1
+    where = {task: (rank, position) for rank, tasks in enumerate(schedule) for position, task in enumerate(tasks)}
     ordered = []
     for rank, tasks in enumerate(schedule):
-        for position, task in enumerate(tasks):
-            if task.op == "F" and task.chunk < last:
-                key, to = ("act", task.micro, task.chunk + 1), task.chunk + 1
-            elif task.op == "B" and task.chunk > 0:
-                key, to = ("grad", task.micro, task.chunk - 1), task.chunk - 1
-            else:
-                continue
-            if placement[to] != rank:
-                ordered.append(((times[rank][position][1], rank, position), Transfer(key, rank, placement[to])))
+        for task in tasks:  # each task's input from another rank, as the task loop receives it
+            needed = upstream(task, len(placement))
+            if needed is not None and where[needed][0] != rank:
+                sender, position = where[needed]
+                ordered.append(((times[sender][position][1], sender, position),
+                                Transfer(message_key(task), sender, rank)))
     return [transfer for _, transfer in sorted(ordered)]
 
 
