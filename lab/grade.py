@@ -36,15 +36,14 @@ def main(argv=None) -> int:
     if not args.seconds > 0:
         print(f"python -m lab.grade: error: --seconds {args.seconds:g}: expected more than 0", file=sys.stderr)
         return 2
-    for path in args.notebooks:
-        try:
-            read_lesson(path)
-        except ValueError as error:
-            print(f"python -m lab.grade: error: {error}", file=sys.stderr)
-            return 2
+    try:  # every path is read before any runs: a bad one is refused at once
+        lessons = [(path, read_lesson(path)) for path in args.notebooks]
+    except ValueError as error:
+        print(f"python -m lab.grade: error: {error}", file=sys.stderr)
+        return 2
     grades = []
-    for path in args.notebooks:
-        grades += grade(path, args.seconds, quick=not args.full)
+    for path, notebook in lessons:
+        grades += grade(path.stem, notebook, args.seconds, quick=not args.full)
         print(f"graded {path}", file=sys.stderr, flush=True)
     print(table(grades))
     if args.csv:

@@ -57,9 +57,8 @@ def _raised(cell) -> Optional[str]:
 def grades_of(name: str, notebook, stopped: Optional[str] = None, ran: Optional[int] = None) -> list[Grade]:
     """The grades read off `notebook` as executed: its cells up to `ran` (all, if None) have run, and
     `stopped` says why the rest did not."""
-    grades = []
+    grades, cells = [], notebook.cells
     for turn, check, exercise in exercises(notebook):
-        cells = notebook.cells
         if ran is not None and check >= ran:
             grades.append(Grade(name, exercise, "not run", stopped or "the notebook stopped before this check"))
         elif _raised(cells[turn]):
@@ -88,12 +87,12 @@ def read_lesson(path: Path):
     return notebook
 
 
-def grade(path: Path, seconds: float, quick: bool = True) -> list[Grade]:
-    """Run the notebook at `path` top to bottom in a fresh kernel, in the lab's notebooks/ folder
-    (where a lesson finds lab_setup.py, wherever its copy lives), at CI's small sizes unless not
-    `quick`. A cell that raises does not stop the run, as a learner's Run All would not if every
-    check is to be read; past `seconds` in all the kernel is stopped and the rest is not run."""
-    notebook = read_lesson(path)
+def grade(name: str, notebook, seconds: float, quick: bool = True) -> list[Grade]:
+    """Run `notebook` (a lesson `read_lesson` read, graded as `name`) top to bottom in a fresh kernel,
+    in the lab's notebooks/ folder (where a lesson finds lab_setup.py, wherever its copy lives), at
+    CI's small sizes unless not `quick`. A cell that raises does not stop the run, as a learner's Run
+    All would not if every check is to be read; past `seconds` in all the kernel is stopped and the
+    rest is not run."""
     client = NotebookClient(notebook, timeout=seconds, kernel_name="python3", allow_errors=True,
                             resources={"metadata": {"path": str(NOTEBOOKS)}})
     deadline, stopped, ran = time.monotonic() + seconds, None, None
@@ -106,4 +105,4 @@ def grade(path: Path, seconds: float, quick: bool = True) -> list[Grade]:
             except CellTimeoutError:
                 stopped, ran = f"the notebook ran past its {seconds:g} s at cell {index}", index
                 break
-    return grades_of(path.stem, notebook, stopped, ran)
+    return grades_of(name, notebook, stopped, ran)

@@ -15,6 +15,7 @@ from nbclient import NotebookClient
 
 from lab.config import RunConfig
 from lab.lessons import grading
+from lab.lessons.grading import tagged
 from lab.runs.experiments import parallel_devices
 
 NOTEBOOKS = sorted((Path(__file__).resolve().parents[2] / "notebooks").glob("*.ipynb"))
@@ -36,10 +37,6 @@ def runs_other_branches(stem: str, devices: int) -> bool:
 
 HOST_SIZES = [(stem, str(devices)) for stem, devices in OTHER_HOSTS
               if "GPIPE_LAB_DEVICES" in os.environ or runs_other_branches(stem, devices)]
-
-
-def tagged(cell, tag: str) -> bool:
-    return tag in cell.metadata.get("tags", [])
 
 
 def answered(notebook):

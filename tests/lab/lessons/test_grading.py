@@ -56,7 +56,7 @@ def test_a_notebook_that_runs_past_its_bound_has_the_rest_not_run(tmp_path):
     notebook = lesson(RIGHT, RIGHT)
     notebook.cells.insert(5, nbformat.v4.new_code_cell("while True:\n    pass"))  # after the first check
     nbformat.write(notebook, copy)
-    grades = grading.grade(copy, seconds=20)
+    grades = grading.grade(copy.stem, grading.read_lesson(copy), seconds=20)
     assert [g.status for g in grades] == ["done", "not run"]
     assert grades[1].said.startswith("the notebook ran past its 20 s at cell 5")
 
