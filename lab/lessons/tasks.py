@@ -132,14 +132,8 @@ def _replays_random_numbers(fn: Callable) -> bool:
     """Whether the learner's stage, on a block with dropout, gets a plain backward's gradients: its
     recompute must draw the forward's random numbers again."""
     torch.manual_seed(1)
-    block, x = nn.Sequential(nn.Linear(16, 16), nn.Dropout(0.5), nn.Linear(16, 16)), torch.randn(8, 16)
-    torch.manual_seed(2)
-    block(x).sum().backward()
-    plain = [p.grad.clone() for p in block.parameters()]
-    block.zero_grad()
-    torch.manual_seed(2)
-    called(fn, block, x.requires_grad_()).sum().backward()
-    return all(torch.allclose(p.grad, g, atol=1e-6) for p, g in zip(block.parameters(), plain))
+    block = nn.Sequential(nn.Linear(16, 16), nn.Dropout(0.5), nn.Linear(16, 16))
+    return _plain_gradients(fn, block, torch.randn(8, 16), input_grad=True, seed=2)
 
 
 def _trains_on_data(fn: Callable) -> bool:
@@ -147,13 +141,21 @@ def _trains_on_data(fn: Callable) -> bool:
     data, which requires no grad (the first stage's, every micro-batch): the reentrant checkpoint
     then gives them none."""
     torch.manual_seed(3)
-    block, x = nn.Sequential(nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 16)), torch.randn(8, 16)
+    block = nn.Sequential(nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 16))
+    return _plain_gradients(fn, block, torch.randn(8, 16), input_grad=False, seed=3)
+
+
+def _plain_gradients(fn: Callable, block: nn.Module, x: torch.Tensor, input_grad: bool, seed: int) -> bool:
+    """Whether fn(block, x), its input requiring grad or not, gives the block's weights the gradients
+    of a plain backward, both run from the random state `seed`."""
+    torch.manual_seed(seed)
     block(x).sum().backward()
     plain = [p.grad.clone() for p in block.parameters()]
     block.zero_grad()
+    torch.manual_seed(seed)
     with warnings.catch_warnings():  # the reentrant checkpoint warns that no input requires grad: this is the test
         warnings.simplefilter("ignore")
-        out = called(fn, block, x)
+        out = called(fn, block, x.requires_grad_(input_grad))
     if not isinstance(out, torch.Tensor) or not out.requires_grad:
         return False
     out.sum().backward()
